@@ -1,0 +1,154 @@
+"""BertImplConfig: the configuration of hf-bert-impl's BERT encoder.
+
+Field names and defaults follow `transformers.BertConfig` (bert-base sizes), plus
+`position_embedding_type`: "sinusoidal" (default, the seed's formula) or "learned" (a trained
+table, as in Google's BERT). Every field is validated at construction; a bad value raises a
+`ValueError` that names the field, the value and what is accepted.
+
+This file travels to the Hub beside `modeling_bert_impl.py`: it imports only transformers.
+"""
+
+from transformers import PretrainedConfig
+
+POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned")
+# Activations the feed-forward block accepts (names from transformers.activations.ACT2FN).
+HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_python", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh", "quick_gelu")
+
+# Where each Auto class finds our code inside a saved / pushed directory. Written into every
+# config.json so that one repository serves every head through `trust_remote_code=True`.
+AUTO_MAP = {
+    "AutoConfig": "configuration_bert_impl.BertImplConfig",
+    "AutoModel": "modeling_bert_impl.BertImplModel",
+    "AutoModelForMaskedLM": "modeling_bert_impl.BertImplForMaskedLM",
+    "AutoModelForPreTraining": "modeling_bert_impl.BertImplForPreTraining",
+    "AutoModelForNextSentencePrediction": "modeling_bert_impl.BertImplForNextSentencePrediction",
+    "AutoModelForSequenceClassification": "modeling_bert_impl.BertImplForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_bert_impl.BertImplForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_bert_impl.BertImplForQuestionAnswering",
+    "AutoModelForMultipleChoice": "modeling_bert_impl.BertImplForMultipleChoice",
+}
+
+# Named sizes. "debug" is the odd-sized flavour every smoke test uses (torchtitan's habit);
+# the others are the published BERT / Turc et al. (2019) sizes.
+SIZE_PRESETS = {
+    "debug": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37),
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
+    "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048),
+    "medium": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, intermediate_size=2048),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+
+
+class BertImplConfig(PretrainedConfig):
+    r"""Configuration of a [`BertImplModel`] and its heads.
+
+    Args:
+        vocab_size: number of WordPiece tokens; input ids must lie in `[0, vocab_size)`.
+        hidden_size: d_model, the width of every token vector.
+        num_hidden_layers: number of post-LN Transformer encoder layers.
+        num_attention_heads: h; must divide `hidden_size` (head dim d_k = hidden_size / h).
+        intermediate_size: width of the feed-forward block.
+        hidden_act: feed-forward activation (one of `HIDDEN_ACTS`).
+        hidden_dropout_prob: dropout on embeddings and on each sub-layer output, in [0, 1).
+        attention_probs_dropout_prob: dropout on the attention probabilities, in [0, 1).
+        max_position_embeddings: rows of the position table. With "learned" positions this is the
+            longest sequence accepted; with "sinusoidal" positions longer inputs work (the encoding
+            is computed for any position).
+        type_vocab_size: number of segment (token type) ids.
+        initializer_range: std of the normal(0, std) initialisation of weights.
+        layer_norm_eps: LayerNorm epsilon.
+        pad_token_id: id of [PAD].
+        classifier_dropout: dropout before classification heads (None: `hidden_dropout_prob`).
+        position_embedding_type: "sinusoidal" (PE(pos, 2i) = sin(pos / 10000^{2i/d}),
+            PE(pos, 2i+1) = cos(...), not stored in checkpoints) or "learned" (a trained table).
+    """
+
+    model_type = "bert_impl"
+
+    def __init__(
+        self,
+        vocab_size=30522,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+        initializer_range=0.02,
+        layer_norm_eps=1e-12,
+        pad_token_id=0,
+        classifier_dropout=None,
+        position_embedding_type="sinusoidal",
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.hidden_dropout_prob = hidden_dropout_prob
+        self.attention_probs_dropout_prob = attention_probs_dropout_prob
+        self.max_position_embeddings = max_position_embeddings
+        self.type_vocab_size = type_vocab_size
+        self.initializer_range = initializer_range
+        self.layer_norm_eps = layer_norm_eps
+        self.classifier_dropout = classifier_dropout
+        self.position_embedding_type = position_embedding_type
+        kwargs.setdefault("tie_word_embeddings", True)
+        kwargs.setdefault("auto_map", dict(AUTO_MAP))
+        super().__init__(pad_token_id=pad_token_id, **kwargs)
+        self._validate_bert_impl()
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "BertImplConfig":
+        """A config of a named size (`SIZE_PRESETS`: debug, tiny, mini, small, medium, base, large)."""
+        if name not in SIZE_PRESETS:
+            raise ValueError(f"unknown size preset {name!r}; choose one of {sorted(SIZE_PRESETS)}")
+        return cls(**{**SIZE_PRESETS[name], **overrides})
+
+    def _validate_bert_impl(self):
+        def positive_int(field):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BertImplConfig.{field} must be a positive integer, got {value!r}")
+
+        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            positive_int(field)
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"BertImplConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads}); pick a head count that divides it"
+            )
+        for field in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            value = getattr(self, field)
+            if value is None and field == "classifier_dropout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"BertImplConfig.{field} must be a probability in [0, 1), got {value!r}")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            hint = " (transformers' 'absolute' is our 'learned')" if self.position_embedding_type == "absolute" else ""
+            raise ValueError(
+                f"BertImplConfig.position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
+                f"got {self.position_embedding_type!r}{hint}"
+            )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"BertImplConfig.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        for field in ("initializer_range", "layer_norm_eps"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"BertImplConfig.{field} must be a positive number, got {value!r}")
+        pad = self.pad_token_id
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < self.vocab_size):
+            raise ValueError(
+                f"BertImplConfig.pad_token_id must be an id in [0, vocab_size={self.vocab_size}) or None, got {pad!r}"
+            )
+
+
+__all__ = ["BertImplConfig", "SIZE_PRESETS", "AUTO_MAP"]

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's test command: set up .venv (if needed) and run the whole suite offline.
+#   bash scripts/test.sh            # everything
+#   bash scripts/test.sh -k parity  # extra arguments go to pytest
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup_env.sh"
+cd "$root"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python -m pytest "$@"
