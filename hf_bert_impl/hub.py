@@ -1,0 +1,275 @@
+"""The Hub: model-card rendering and the push of a saved model directory.
+
+- `save_model_card(model_dir)` renders `README.md` (the model card) inside a saved model directory
+  from its `config.json` plus the optional `training_facts.json` that the training scripts write
+  (keys: task, dataset, base_model, hyperparameters, metrics, loss_curve). A fact that is absent is
+  rendered as "not recorded"; nothing is invented.
+- `build_upload_folder(model_dir, repo_id, out)` writes exactly what `push_model_dir` uploads: the
+  weights (safetensors only), `config.json` with `auto_map` for every head, the two code files,
+  the tokenizer, the loss-curve image and the card.
+- `push_model_dir(...)` checks everything a user can get wrong (repo id, files, token) before the
+  first byte goes out, then uploads that folder with `huggingface_hub`.
+
+The card template lives in `model_cards/model_card.md` (Jinja, rendered by
+`huggingface_hub.ModelCard.from_template`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .configuration_bert_impl import AUTO_MAP
+
+NOT_RECORDED = "not recorded"
+FACTS_FILE = "training_facts.json"
+CARD_FILE = "README.md"
+TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md"
+CODE_FILES = ("configuration_bert_impl.py", "modeling_bert_impl.py")
+# Tokenizer files copied verbatim when present: a fast tokenizer (tokenizer.json) or a WordPiece
+# vocabulary (vocab.txt) is required, the rest describes special tokens and the tokenizer class.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json")
+LICENSE = "apache-2.0"
+TAGS = ["bert", "bert_impl", "hf-bert-impl", "custom_code"]
+
+# Head -> (Auto class that loads it, task). The task doubles as the Hub `pipeline_tag` where the
+# Hub has one; NSP and multiple choice have no pipeline, so their cards carry no pipeline_tag.
+HEAD_INFO = {
+    "BertImplModel": ("AutoModel", "feature-extraction"),
+    "BertImplForMaskedLM": ("AutoModelForMaskedLM", "fill-mask"),
+    "BertImplForPreTraining": ("AutoModelForPreTraining", "fill-mask"),
+    "BertImplForNextSentencePrediction": ("AutoModelForNextSentencePrediction", "next-sentence-prediction"),
+    "BertImplForSequenceClassification": ("AutoModelForSequenceClassification", "text-classification"),
+    "BertImplForTokenClassification": ("AutoModelForTokenClassification", "token-classification"),
+    "BertImplForQuestionAnswering": ("AutoModelForQuestionAnswering", "question-answering"),
+    "BertImplForMultipleChoice": ("AutoModelForMultipleChoice", "multiple-choice"),
+}
+PIPELINE_TAGS = ("feature-extraction", "fill-mask", "text-classification", "token-classification",
+                 "question-answering")
+# Trainer bookkeeping that is not a quality measurement: shown in the card's table, kept out of
+# the model-index (the Hub's leaderboards read the model-index).
+BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch", "total_flos", "step")
+
+
+# --------------------------------------------------------------------------------------------
+# facts
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} {path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config_dict(model_dir: str | os.PathLike) -> dict:
+    """`config.json` of a saved bert_impl model, as a dict; ValueError when it is missing or not ours."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json; save the model there with model.save_pretrained({str(model_dir)!r})")
+    config = _read_json(path, "config")
+    if config.get("model_type") != "bert_impl":
+        raise ValueError(
+            f"{path} has model_type {config.get('model_type')!r}, not 'bert_impl'; convert a transformers "
+            f"BERT first with hf_bert_impl.convert.from_hf_bert and save the result"
+        )
+    return config
+
+
+def load_training_facts(model_dir: str | os.PathLike) -> dict:
+    """The training run's `training_facts.json` (empty dict when there is none), type-checked."""
+    path = Path(model_dir) / FACTS_FILE
+    if not path.is_file():
+        return {}
+    facts = _read_json(path, "training facts")
+    for key in ("hyperparameters", "metrics"):
+        if facts.get(key) is not None and not isinstance(facts[key], dict):
+            raise ValueError(f"{path}: {key!r} must be an object of name -> value, got {facts[key]!r}")
+    for name, value in (facts.get("metrics") or {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{path}: metric {name!r} must be a finite number, got {value!r}")
+    for key in ("task", "dataset", "base_model", "loss_curve"):
+        if facts.get(key) is not None and not isinstance(facts[key], str):
+            raise ValueError(f"{path}: {key!r} must be a string or null, got {facts[key]!r}")
+    return facts
+
+
+def _is_hub_id(value: str) -> bool:
+    """True for a Hub repository id ("name" or "owner/name"), False for a local path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if os.path.isabs(value) or value.startswith(".") or os.path.exists(value) or value.count("/") > 1:
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _num_parameters(model_dir: Path) -> str:
+    """Parameter count read from the safetensors headers (tied weights are stored once)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        return NOT_RECORDED
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                total += math.prod(f.get_slice(key).get_shape())
+    return f"{total:,}"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# the card
+
+
+def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -> ModelCard:
+    """Render the model card of `model_dir` (not written to disk; see `save_model_card`).
+
+    `repo_id` goes into the usage snippets; without it they load from the local directory.
+    """
+    model_dir = Path(model_dir)
+    config = load_config_dict(model_dir)
+    facts = load_training_facts(model_dir)
+
+    architectures = config.get("architectures") or ["BertImplModel"]
+    architecture = architectures[0]
+    if architecture not in HEAD_INFO:
+        raise ValueError(f"{model_dir / 'config.json'}: unknown architecture {architecture!r}; expected one of {sorted(HEAD_INFO)}")
+    auto_class, head_task = HEAD_INFO[architecture]
+    task = facts.get("task") or head_task
+    pipeline_tag = task if task in PIPELINE_TAGS else None
+
+    dataset = facts.get("dataset")
+    base_model = facts.get("base_model")
+    base_model_id = base_model if base_model and _is_hub_id(base_model) else None
+    if base_model is None:
+        base_model_text = "none (trained from scratch)" if "base_model" in facts else NOT_RECORDED
+    else:
+        base_model_text = f"`{base_model}` (a transformers BERT checkpoint converted with `hf_bert_impl.convert.from_hf_bert`)"
+    metrics = facts.get("metrics") or {}
+    loss_curve = facts.get("loss_curve")
+    if loss_curve and not (model_dir / loss_curve).is_file():
+        raise ValueError(f"{model_dir / FACTS_FILE} names loss_curve {loss_curve!r}, but {model_dir / loss_curve} does not exist")
+
+    model_name = repo_id.split("/")[-1] if repo_id else model_dir.resolve().name
+    eval_results = None
+    if dataset and metrics:
+        eval_results = [
+            EvalResult(task_type=task, dataset_type=dataset, dataset_name=dataset, metric_type=_metric_id(name),
+                       metric_name=name, metric_value=value,
+                       dataset_config=facts.get("dataset_config"), dataset_split=facts.get("dataset_split"))
+            for name, value in metrics.items()
+            if not name.endswith(BOOKKEEPING_SUFFIXES)
+        ] or None
+
+    card_data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        tags=TAGS + ([task] if task and task != pipeline_tag else []),
+        license=facts.get("license") or LICENSE,
+        language=facts.get("language"),
+        datasets=[dataset] if dataset and _is_hub_id(dataset) else None,
+        base_model=base_model_id,
+        model_name=model_name if eval_results else None,
+        eval_results=eval_results,
+    )
+    if not TEMPLATE_PATH.is_file():
+        raise FileNotFoundError(f"model-card template {TEMPLATE_PATH} is missing; reinstall hf-bert-impl from its repository")
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(TEMPLATE_PATH),
+        model_name=model_name,
+        repo_id=repo_id or f"./{model_dir.resolve().name}",
+        architecture=architecture,
+        auto_class=auto_class,
+        task=task or NOT_RECORDED,
+        pipeline_tag=pipeline_tag,
+        num_parameters=_num_parameters(model_dir),
+        base_model_text=base_model_text,
+        dataset_text=_dataset_text(facts),
+        hyperparameters=sorted((k, _fmt(v)) for k, v in (facts.get("hyperparameters") or {}).items()),
+        metrics=[(k, _fmt(v)) for k, v in metrics.items()],
+        loss_curve=loss_curve,
+        **{k: config.get(k, NOT_RECORDED) for k in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+            "max_position_embeddings", "position_embedding_type")},
+    )
+
+
+def _dataset_text(facts: dict) -> str:
+    if not facts.get("dataset"):
+        return NOT_RECORDED
+    parts = [f"`{facts['dataset']}`"]
+    if facts.get("dataset_config"):
+        parts.append(f"(configuration `{facts['dataset_config']}`)")
+    if facts.get("dataset_split"):
+        parts.append(f"split `{facts['dataset_split']}`")
+    return " ".join(parts)
+
+
+def _metric_id(name: str) -> str:
+    """Trainer's `eval_accuracy` -> the metric id `accuracy`."""
+    return name[len("eval_"):] if name.startswith("eval_") else name
+
+
+def validate_model_card(card: ModelCard) -> None:
+    """Offline validation: the text re-parses with `huggingface_hub` (which rejects a malformed
+    model-index) and carries the metadata this project promises. `ModelCard.validate()` (the Hub's
+    own YAML check, a network call) runs as well in `push_model_dir` before an upload."""
+    parsed = ModelCard(str(card), ignore_metadata_errors=False)
+    data = parsed.data
+    problems = []
+    if data.get("library_name") != "transformers":
+        problems.append(f"library_name is {data.get('library_name')!r}, expected 'transformers'")
+    if "custom_code" not in (data.get("tags") or []):
+        problems.append(f"tags {data.get('tags')!r} lack 'custom_code'")
+    if not data.get("license"):
+        problems.append("license is missing")
+    if data.get("pipeline_tag") is not None and data.get("pipeline_tag") not in PIPELINE_TAGS:
+        problems.append(f"pipeline_tag {data.get('pipeline_tag')!r} is not one of {PIPELINE_TAGS}")
+    for result in data.eval_results or []:
+        if isinstance(result.metric_value, bool) or not isinstance(result.metric_value, (int, float)):
+            problems.append(f"model-index metric {result.metric_type!r} has a non-numeric value {result.metric_value!r}")
+    if problems:
+        raise ValueError("invalid model card metadata: " + "; ".join(problems))
+
+
+def save_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -> Path:
+    """Render the model card of `model_dir` into `model_dir/README.md` and return that path."""
+    card = build_model_card(model_dir, repo_id=repo_id)
+    validate_model_card(card)
+    path = Path(model_dir) / CARD_FILE
+    card.save(path)
+    return path
+
+
+__all__ = [
+    "NOT_RECORDED",
+    "build_model_card",
+    "load_training_facts",
+    "save_model_card",
+    "validate_model_card",
+]
