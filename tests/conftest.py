@@ -65,7 +65,7 @@ def run_without_package(code: str, cwd, timeout=240, env_extra=None):
         "        if name == 'hf_bert_impl' or name.startswith('hf_bert_impl.'):\n"
         "            raise ImportError('hf_bert_impl is blocked in this process')\n"
         "sys.meta_path.insert(0, _Block())\n"
-        "sys.path = [p for p in sys.path if p not in ('', '.') and 'hf-bert-impl' not in p and not p.startswith(%r)]\n"
+        "sys.path = [p for p in sys.path if p not in ('', '.', %r)]\n"
     ) % str(REPO_ROOT)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"})

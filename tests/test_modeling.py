@@ -1,0 +1,380 @@
+"""The encoder and its heads as Hugging Face models: shapes, losses, backward, backends, padding,
+gradient checkpointing, weight tying, save/load, and every documented bad input."""
+
+import copy
+
+import pytest
+import torch
+
+import hf_bert_impl
+from hf_bert_impl import (
+    BertImplConfig,
+    BertImplForMaskedLM,
+    BertImplForMultipleChoice,
+    BertImplForNextSentencePrediction,
+    BertImplForPreTraining,
+    BertImplForQuestionAnswering,
+    BertImplForSequenceClassification,
+    BertImplForTokenClassification,
+    BertImplModel,
+)
+
+ATOL = 1e-5  # float32, unit-scale activations (design.md)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(hidden_size=30, num_attention_heads=4), "hidden_size"),
+        (dict(num_hidden_layers=0), "num_hidden_layers"),
+        (dict(vocab_size=-5), "vocab_size"),
+        (dict(intermediate_size=2.5), "intermediate_size"),
+        (dict(hidden_dropout_prob=1.0), "hidden_dropout_prob"),
+        (dict(attention_probs_dropout_prob=-0.1), "attention_probs_dropout_prob"),
+        (dict(classifier_dropout=1.5), "classifier_dropout"),
+        (dict(position_embedding_type="absolute"), "position_embedding_type"),
+        (dict(position_embedding_type="rotary"), "position_embedding_type"),
+        (dict(hidden_act="gelu_fancy"), "hidden_act"),
+        (dict(layer_norm_eps=0), "layer_norm_eps"),
+        (dict(pad_token_id=500), "pad_token_id"),
+    ],
+)
+def test_invalid_config_names_field_and_value(overrides, field):
+    kw = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=37, vocab_size=99)
+    kw.update(overrides)
+    with pytest.raises(ValueError, match=field) as info:
+        BertImplConfig(**kw)
+    value = overrides[field]
+    assert repr(value) in str(info.value) or f"({value})" in str(info.value)
+
+
+def test_config_defaults_are_bert_base():
+    c = BertImplConfig()
+    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.intermediate_size) == (
+        30522, 768, 12, 12, 3072)
+    assert (c.max_position_embeddings, c.type_vocab_size, c.layer_norm_eps, c.hidden_act) == (512, 2, 1e-12, "gelu")
+    assert c.position_embedding_type == "sinusoidal" and c.model_type == "bert_impl"
+    with pytest.raises(ValueError, match="unknown size preset 'huge'"):
+        BertImplConfig.from_preset("huge")
+
+
+# ---------------------------------------------------------------------------------------------
+# Every head: shapes, loss, backward
+
+
+def _head_cases(config, input_ids, attention_mask, token_type_ids):
+    b, s = input_ids.shape
+    mlm_labels = torch.where(torch.rand(b, s) < 0.3, input_ids, torch.full_like(input_ids, -100))
+    mlm_labels[0, 0] = input_ids[0, 0]
+    common = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    mc = lambda t: t.unsqueeze(1).expand(-1, 3, -1).contiguous()  # noqa: E731  (b, s) -> (b, 3, s)
+    return [
+        (BertImplModel, common, {"last_hidden_state": (b, s, config.hidden_size), "pooler_output": (b, config.hidden_size)}),
+        (BertImplForMaskedLM, {**common, "labels": mlm_labels}, {"logits": (b, s, config.vocab_size)}),
+        (BertImplForPreTraining, {**common, "labels": mlm_labels, "next_sentence_label": torch.randint(0, 2, (b,))},
+         {"prediction_logits": (b, s, config.vocab_size), "seq_relationship_logits": (b, 2)}),
+        (BertImplForNextSentencePrediction, {**common, "labels": torch.randint(0, 2, (b,))}, {"logits": (b, 2)}),
+        (BertImplForSequenceClassification, {**common, "labels": torch.randint(0, 2, (b,))}, {"logits": (b, 2)}),
+        (BertImplForTokenClassification, {**common, "labels": torch.randint(0, 2, (b, s))}, {"logits": (b, s, 2)}),
+        (BertImplForQuestionAnswering,
+         {**common, "start_positions": torch.randint(0, s, (b,)), "end_positions": torch.randint(0, s, (b,))},
+         {"start_logits": (b, s), "end_logits": (b, s)}),
+        (BertImplForMultipleChoice,
+         {"input_ids": mc(input_ids), "attention_mask": mc(attention_mask), "token_type_ids": mc(token_type_ids),
+          "labels": torch.randint(0, 3, (b,))}, {"logits": (b, 3)}),
+    ]
+
+
+@pytest.mark.parametrize("position_embedding_type", ["sinusoidal", "learned"])
+def test_every_head_shapes_loss_backward(debug_config, batch, position_embedding_type):
+    config = debug_config(position_embedding_type=position_embedding_type)
+    torch.manual_seed(0)
+    for cls, inputs, shapes in _head_cases(config, *batch):
+        model = cls(config).train()
+        out = model(**inputs)
+        for name, shape in shapes.items():
+            assert tuple(out[name].shape) == shape, (cls.__name__, name)
+        if cls is BertImplModel:
+            (out.last_hidden_state.sum() + out.pooler_output.sum()).backward()
+        else:
+            assert out.loss is not None and out.loss.ndim == 0 and torch.isfinite(out.loss), cls.__name__
+            out.loss.backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads), cls.__name__
+        assert any(g.abs().sum() > 0 for g in grads)
+        # return_dict=False gives the same values as a tuple
+        model.eval()
+        first = model(**inputs)
+        as_tuple = model(**inputs, return_dict=False)
+        assert isinstance(as_tuple, tuple)
+        key = next(iter(shapes))
+        assert torch.equal(as_tuple[list(first.keys()).index(key)], first[key])
+
+
+@pytest.mark.parametrize("num_labels,labels,problem_type,loss_name", [
+    (1, torch.randn(13), "regression", "mse"),
+    (3, torch.randint(0, 3, (13,)), "single_label_classification", "ce"),
+    (3, torch.randint(0, 2, (13, 3)).float(), "multi_label_classification", "bce"),
+])
+def test_sequence_classification_problem_types(debug_config, batch, num_labels, labels, problem_type, loss_name):
+    model = BertImplForSequenceClassification(debug_config(num_labels=num_labels)).eval()
+    input_ids, attention_mask, _ = batch
+    out = model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert model.config.problem_type == problem_type
+    logits = out.logits
+    want = {
+        "mse": lambda: torch.nn.functional.mse_loss(logits.squeeze(), labels),
+        "ce": lambda: torch.nn.functional.cross_entropy(logits, labels),
+        "bce": lambda: torch.nn.functional.binary_cross_entropy_with_logits(logits, labels),
+    }[loss_name]()
+    assert abs(out.loss.item() - want.item()) <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention backends, masks and padding
+
+
+def _backends():
+    names = ["eager", "sdpa"]
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+        names.append("flex_attention")
+    except ImportError:
+        pass
+    return names
+
+
+def _with_backend(model, name):
+    m = copy.deepcopy(model)
+    m.set_attn_implementation(name)
+    return m
+
+
+@pytest.mark.parametrize("backend", [b for b in _backends() if b != "eager"])
+def test_backends_agree_with_eager_on_padded_batch(debug_config, batch, backend):
+    torch.manual_seed(0)
+    base = BertImplModel(debug_config()).eval()
+    input_ids, attention_mask, token_type_ids = batch
+    ref = _with_backend(base, "eager")
+    try:
+        other = _with_backend(base, backend)
+        with torch.no_grad():
+            got = other(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+    except Exception as e:  # flex attention needs a compiler toolchain on CPU in some torch builds
+        if backend == "flex_attention":
+            pytest.skip(f"flex_attention unavailable on this machine: {type(e).__name__}: {str(e)[:120]}")
+        raise
+    with torch.no_grad():
+        want = ref(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+    real = attention_mask.bool()
+    assert (got - want)[real].abs().max().item() <= ATOL
+
+
+def test_flash_attention_2_agrees_with_eager_where_available(debug_config, batch):
+    if not torch.cuda.is_available():
+        pytest.skip("flash_attention_2 needs a CUDA GPU; this machine has none")
+    pytest.importorskip("flash_attn")
+    base = BertImplModel(debug_config()).eval().cuda().half()
+    input_ids, attention_mask, token_type_ids = (t.cuda() for t in batch)
+    with torch.no_grad():
+        want = _with_backend(base, "eager")(input_ids, attention_mask=attention_mask).last_hidden_state
+        got = _with_backend(base, "flash_attention_2")(input_ids, attention_mask=attention_mask).last_hidden_state
+    real = attention_mask.bool()
+    assert (got - want)[real].abs().max().item() <= 1e-2  # fp16
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_padding_invariance(debug_config, batch, backend):
+    """A sequence's outputs do not depend on how long the other sequences in its batch are."""
+    torch.manual_seed(0)
+    model = _with_backend(BertImplModel(debug_config()).eval(), backend)
+    input_ids, attention_mask, token_type_ids = batch
+    with torch.no_grad():
+        padded = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        for i in range(4):
+            n = int(attention_mask[i].sum())
+            alone = model(input_ids[i : i + 1, :n], token_type_ids=token_type_ids[i : i + 1, :n])
+            diff = (padded.last_hidden_state[i, :n] - alone.last_hidden_state[0]).abs().max().item()
+            assert diff <= ATOL, (i, n, diff)
+            assert (padded.pooler_output[i] - alone.pooler_output[0]).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fully_padded_row_is_finite(debug_config, batch, backend, dtype):
+    model = _with_backend(BertImplForMaskedLM(debug_config()).eval(), backend).to(dtype)
+    input_ids, attention_mask, _ = batch
+    attention_mask = attention_mask.clone()
+    attention_mask[2] = 0
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, output_attentions=True)
+    assert torch.isfinite(out.logits).all()
+    assert all(torch.isfinite(a).all() for a in out.attentions)
+
+
+@pytest.mark.parametrize("backend", ["sdpa"] + (["flex_attention"] if "flex_attention" in _backends() else []))
+def test_output_attentions_are_real_probabilities_under_every_backend(debug_config, batch, backend):
+    torch.manual_seed(0)
+    base = BertImplModel(debug_config()).eval()
+    input_ids, attention_mask, _ = batch
+    with torch.no_grad():
+        want = _with_backend(base, "eager")(input_ids, attention_mask=attention_mask, output_attentions=True)
+        got = _with_backend(base, backend)(input_ids, attention_mask=attention_mask, output_attentions=True)
+    assert len(got.attentions) == base.config.num_hidden_layers
+    for a, b in zip(got.attentions, want.attentions):
+        assert a.shape == (13, 4, 7, 7)
+        torch.testing.assert_close(a.sum(-1), torch.ones(13, 4, 7), atol=1e-5, rtol=0)
+        assert (a - b).abs().max().item() <= 1e-6
+        assert a[1, :, :, 6].abs().max().item() == 0.0  # row 1 has 6 real tokens: padding key gets 0
+
+
+def test_hidden_states_output(debug_config, batch):
+    model = BertImplModel(debug_config()).eval()
+    input_ids, attention_mask, _ = batch
+    out = model(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert torch.equal(out.hidden_states[-1], out.last_hidden_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions
+
+
+def test_sinusoidal_positions_are_not_stored_and_extend_past_max(debug_config, tmp_path):
+    config = debug_config(max_position_embeddings=16)
+    model = BertImplModel(config).eval()
+    assert not any("position" in k for k in model.state_dict())
+    with torch.no_grad():
+        long_out = model(torch.randint(1, 99, (2, 40))).last_hidden_state  # 40 > 16 positions
+    assert long_out.shape == (2, 40, 32) and torch.isfinite(long_out).all()
+    # The encoding rows for 16..39 are the formula's, whatever the stored table length.
+    wide = BertImplModel(debug_config(max_position_embeddings=64)).eval()
+    wide.load_state_dict(model.state_dict())
+    ids = torch.randint(1, 99, (2, 40))
+    with torch.no_grad():
+        assert (model(ids).last_hidden_state - wide(ids).last_hidden_state).abs().max().item() <= ATOL
+
+
+def test_learned_positions_reject_too_long_input(debug_config):
+    model = BertImplModel(debug_config(position_embedding_type="learned", max_position_embeddings=16))
+    assert "embeddings.position_embeddings.weight" in model.state_dict()
+    with pytest.raises(ValueError, match=r"position 19 .*max_position_embeddings - 1 = 15"):
+        model(torch.randint(1, 99, (2, 20)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: a ValueError naming the value, never a bare IndexError
+
+
+@pytest.mark.parametrize("case,match", [
+    ("id_too_large", r"input_ids contains 99, outside \[0, vocab_size=99\)"),
+    ("id_negative", r"input_ids contains -3, outside \[0, vocab_size=99\)"),
+    ("token_type", r"token_type_ids contains 2, outside \[0, type_vocab_size=2\)"),
+    ("mask_shape", r"attention_mask has shape \(13, 6\) but the input has shape \(13, 7\)"),
+    ("both_inputs", r"exactly one of input_ids or inputs_embeds"),
+    ("rank", r"input_ids must have shape \(batch, sequence\), got \(7,\)"),
+])
+def test_bad_inputs_raise_value_error(debug_config, batch, case, match):
+    model = BertImplForMaskedLM(debug_config()).eval()
+    input_ids, attention_mask, token_type_ids = (t.clone() for t in batch)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    if case == "id_too_large":
+        input_ids[3, 2] = 99
+    elif case == "id_negative":
+        input_ids[0, 0] = -3
+    elif case == "token_type":
+        token_type_ids[5, 1] = 2
+    elif case == "mask_shape":
+        kwargs["attention_mask"] = attention_mask[:, :6]
+    elif case == "both_inputs":
+        kwargs["inputs_embeds"] = torch.zeros(13, 7, 32)
+    elif case == "rank":
+        kwargs = dict(input_ids=input_ids[0])
+    with pytest.raises(ValueError, match=match):
+        model(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training machinery
+
+
+def test_gradient_checkpointing_gives_same_gradients(debug_config, batch):
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config()).train()
+    ckpt = copy.deepcopy(model)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert ckpt.is_gradient_checkpointing and not model.is_gradient_checkpointing
+    input_ids, attention_mask, token_type_ids = batch
+    labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
+    for m in (model, ckpt):
+        m(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ckpt.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-7, rtol=0), name
+
+
+def test_mlm_decoder_is_tied_and_survives_resize(debug_config):
+    model = BertImplForMaskedLM(debug_config())
+    assert model.lm_head.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    model.resize_token_embeddings(120)
+    assert model.config.vocab_size == 120
+    assert model.get_input_embeddings().weight.shape == (120, 32)
+    assert model.lm_head.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert model.lm_head.decoder.bias.shape == (120,)
+    out = model(torch.randint(0, 120, (2, 5)), labels=torch.randint(0, 120, (2, 5)))
+    assert out.logits.shape == (2, 5, 120) and torch.isfinite(out.loss)
+
+
+def test_init_weights_statistics(debug_config):
+    config = debug_config(initializer_range=0.05)
+    torch.manual_seed(0)
+    model = BertImplForSequenceClassification(config)
+    layer = model.bert.layers[0]
+    assert abs(layer.mlp.Wi.weight.std().item() - 0.05) < 0.01
+    assert layer.mlp.Wi.bias.abs().max().item() == 0.0
+    assert torch.equal(layer.attn_norm.weight, torch.ones(32)) and torch.equal(layer.attn_norm.bias, torch.zeros(32))
+    assert model.bert.embeddings.word_embeddings.weight[config.pad_token_id].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("cls", [BertImplForMaskedLM, BertImplForSequenceClassification, BertImplForPreTraining])
+def test_save_load_roundtrip_keeps_loaded_weights(debug_config, batch, tmp_path, cls):
+    """`_init_weights` must not re-initialise what the checkpoint provides."""
+    torch.manual_seed(0)
+    model = cls(debug_config()).eval()
+    with torch.no_grad():  # move every weight away from its init distribution
+        for p in model.parameters():
+            p.add_(0.5)
+    model.save_pretrained(tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["config.json", "configuration_bert_impl.py", "model.safetensors", "modeling_bert_impl.py"]
+    loaded = cls.from_pretrained(tmp_path).eval()
+    for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(p, q), name
+    input_ids, attention_mask, _ = batch
+    a, b = model(input_ids, attention_mask=attention_mask), loaded(input_ids, attention_mask=attention_mask)
+    assert torch.equal(a[0], b[0])
+
+
+def test_auto_classes_are_registered(debug_config, tmp_path):
+    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
+
+    assert AutoConfig.for_model("bert_impl").__class__ is BertImplConfig
+    assert set(hf_bert_impl.AUTO_MAP) == {"AutoConfig"} | {a.__name__ for a in hf_bert_impl.HEADS}
+    for auto_cls, head in hf_bert_impl.HEADS.items():
+        assert type(auto_cls.from_config(debug_config())) is head
+    BertImplForMaskedLM(debug_config()).save_pretrained(tmp_path)
+    assert type(AutoModelForMaskedLM.from_pretrained(tmp_path)) is BertImplForMaskedLM
+    assert type(AutoModel.from_pretrained(tmp_path)) is BertImplModel
+
+
+def test_sharded_save_loads(debug_config, tmp_path):
+    model = BertImplForMaskedLM(debug_config()).eval()
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    loaded = BertImplForMaskedLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(1, 99, (2, 7))
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
