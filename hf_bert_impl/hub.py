@@ -266,10 +266,161 @@ def save_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) ->
     return path
 
 
+# --------------------------------------------------------------------------------------------
+# the push
+
+
+def check_repo_id(repo_id) -> str:
+    """`repo_id` if it is a well-formed OWNER/NAME Hub model id; ValueError saying why otherwise."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise ValueError(f"repo id {repo_id!r} is malformed: expected OWNER/NAME, e.g. alice/bert-impl-mlm")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"repo id {repo_id!r} is malformed: {err}") from None
+    return repo_id
+
+
+def check_model_dir(model_dir: str | os.PathLike) -> dict:
+    """Everything a push needs from `model_dir`, checked before any work; returns its config dict.
+
+    Needs config.json (model_type bert_impl), safetensors weights and a tokenizer; refuses pickled
+    weights (`.bin`, `.pt`, ...) because the Hub copy must load without unpickling.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"--model-dir {str(model_dir)!r} is not a directory")
+    config = load_config_dict(model_dir)
+    if not (model_dir / "model.safetensors").is_file() and not (model_dir / "model.safetensors.index.json").is_file():
+        pickled = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
+        if pickled:
+            raise ValueError(
+                f"{model_dir} holds weights in {pickled[0]!r}, which is not safetensors; load the model and save it "
+                f"again with model.save_pretrained(dir) (which writes model.safetensors), then push that"
+            )
+        raise ValueError(f"{model_dir} has no model.safetensors; save the model there with model.save_pretrained(dir)")
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "vocab.txt")):
+        raise ValueError(
+            f"{model_dir} has no tokenizer (tokenizer.json or vocab.txt); save the tokenizer used in training "
+            f"there with tokenizer.save_pretrained(dir)"
+        )
+    architectures = config.get("architectures") or []
+    if len(architectures) != 1 or architectures[0] not in HEAD_INFO:
+        raise ValueError(
+            f"{model_dir / 'config.json'}: architectures {architectures!r} must name one of {sorted(HEAD_INFO)}"
+        )
+    return config
+
+
+def build_upload_folder(model_dir: str | os.PathLike, repo_id: str, out: str | os.PathLike) -> list[str]:
+    """Write into `out` exactly the files a push of `model_dir` to `repo_id` uploads; returns their
+    relative paths, sorted.
+
+    The model is loaded with its own class and saved again with `save_pretrained`, so the weights
+    are safetensors, `config.json` carries `auto_map` for every head and the code files are this
+    package's (the one copy of the model) rather than whatever sat in the directory.
+    """
+    import hf_bert_impl
+
+    model_dir, out = Path(model_dir), Path(out)
+    check_repo_id(repo_id)
+    config = check_model_dir(model_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output folder {str(out)!r} is not empty; pick a new folder so that it holds exactly the upload")
+    out.mkdir(parents=True, exist_ok=True)
+
+    model_cls = getattr(hf_bert_impl, config["architectures"][0])
+    model = model_cls.from_pretrained(model_dir)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out / name)
+    loss_curve = load_training_facts(model_dir).get("loss_curve")
+    if loss_curve:
+        shutil.copy2(model_dir / loss_curve, out / loss_curve)
+    card = build_model_card(model_dir, repo_id=repo_id)
+    validate_model_card(card)
+    card.save(out / CARD_FILE)
+
+    saved = load_config_dict(out)
+    missing = {k: v for k, v in AUTO_MAP.items() if saved.get("auto_map", {}).get(k) != v}
+    if missing or not all((out / name).is_file() for name in CODE_FILES):
+        raise RuntimeError(f"save_pretrained wrote an incomplete Hub folder in {out}: auto_map lacks {missing}")
+    return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+
+
+def _login_hint() -> str:
+    return "log in with `hf auth login` (or set HF_TOKEN to a write token from https://huggingface.co/settings/tokens)"
+
+
+def push_model_dir(
+    model_dir: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    dry_run: str | os.PathLike | None = None,
+    token: str | None = None,
+):
+    """Push a saved bert_impl model directory to the Hub as `repo_id`.
+
+    Checks the repo id, the directory and (unless `dry_run`) the login before building anything.
+    With `dry_run=OUT` it writes the upload folder to OUT and returns OUT's file list, uploading
+    nothing; otherwise it returns the `CommitInfo` of the upload.
+    """
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    check_repo_id(repo_id)
+    check_model_dir(model_dir)
+    if dry_run is not None:
+        return build_upload_folder(model_dir, repo_id, dry_run)
+
+    token = token or get_token()
+    if not token:
+        raise ValueError(f"not logged in to the Hugging Face Hub: {_login_hint()}; --dry-run OUT needs no token")
+    api = HfApi(token=token)
+    try:
+        user = api.whoami()
+    except OfflineModeIsEnabled:
+        raise ValueError("HF_HUB_OFFLINE is set, so nothing can be uploaded: unset it, or use --dry-run OUT") from None
+    except HfHubHTTPError as err:
+        status = getattr(err.response, "status_code", None)
+        if status == 401:
+            raise ValueError(f"the Hugging Face token was rejected (401): {_login_hint()}") from None
+        raise
+    owner = repo_id.split("/")[0]
+    allowed = {user.get("name")} | {org.get("name") for org in user.get("orgs") or []}
+    if owner not in allowed:
+        raise ValueError(f"logged in as {user.get('name')!r}, who cannot write to {owner!r}; pushable owners: {sorted(allowed)}")
+
+    with tempfile.TemporaryDirectory(prefix="bert_impl_push_") as tmp:
+        build_upload_folder(model_dir, repo_id, tmp)
+        # The Hub's own metadata check (a request to /api/validate-yaml) before any upload.
+        ModelCard.load(Path(tmp) / CARD_FILE).validate()
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=tmp,
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message or "Upload bert_impl model with hf-bert-impl",
+        )
+
+
 __all__ = [
     "NOT_RECORDED",
     "build_model_card",
+    "build_upload_folder",
+    "check_model_dir",
+    "check_repo_id",
     "load_training_facts",
+    "push_model_dir",
     "save_model_card",
     "validate_model_card",
 ]
