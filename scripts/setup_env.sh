@@ -26,3 +26,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" install -e "$root[test]"
   echo "$want" > "$stamp"
 fi
+# olah (a self-hosted Hub mirror) serves the Hub round-trip test (tests/test_hub.py). It gets its own
+# venv because its dependency fastapi-utils pins psutil<6 and would downgrade the project's psutil.
+olah_venv="${OLAH_VENV:-$root/.venv-olah}"
+if [ ! -x "$olah_venv/bin/olah-cli" ]; then
+  echo "[setup] installing olah (Hub mirror for the tests) into $olah_venv"
+  "$py" -m venv "$olah_venv"
+  "$olah_venv/bin/python" -m pip --disable-pip-version-check -q install "olah==0.5.4"
+fi
