@@ -41,6 +41,14 @@ SIZE_PRESETS = {
 }
 
 
+# Fields that decide the shape or the numerics of the weights. A saved config must state each one:
+# a default silently filled in would load the weights into a different model.
+REQUIRED_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "position_embedding_type",
+)
+
+
 class BertImplConfig(PretrainedConfig):
     r"""Configuration of a [`BertImplModel`] and its heads.
 
@@ -112,6 +120,38 @@ class BertImplConfig(PretrainedConfig):
             raise ValueError(f"unknown size preset {name!r}; choose one of {sorted(SIZE_PRESETS)}")
         return cls(**{**SIZE_PRESETS[name], **overrides})
 
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """transformers' reader, refusing a config.json of another model type (transformers only warns,
+        then builds our model with defaults and random weights)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        model_type, source = config_dict.get("model_type"), str(pretrained_model_name_or_path)
+        if model_type == "bert":
+            raise ValueError(
+                f"{source} is a transformers BERT checkpoint (model_type='bert'), not a bert_impl one; convert it "
+                f"first: hf_bert_impl.convert.from_hf_bert({source!r}) in Python, or "
+                f"`python scripts/convert_checkpoint.py --from-hf {source} --out DIR`"
+            )
+        if model_type != cls.model_type:
+            raise ValueError(
+                f"the config.json of {source} has model_type={model_type!r}; BertImplConfig loads only "
+                f"model_type={cls.model_type!r} checkpoints"
+            )
+        return config_dict, kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """transformers' `from_dict`; a saved config (one that carries our model_type, as every config.json
+        does) must state each of `REQUIRED_FIELDS`."""
+        if config_dict.get("model_type") == cls.model_type:
+            missing = [f for f in REQUIRED_FIELDS if f not in config_dict and f not in kwargs]
+            if missing:
+                raise ValueError(
+                    f"bert_impl config is missing required field(s) {missing}; a saved config.json must state "
+                    "them (save it again with save_pretrained, or add them by hand)"
+                )
+        return super().from_dict(config_dict, **kwargs)
+
     def _validate_bert_impl(self):
         def positive_int(field):
             value = getattr(self, field)
@@ -151,4 +191,4 @@ class BertImplConfig(PretrainedConfig):
             )
 
 
-__all__ = ["BertImplConfig", "SIZE_PRESETS", "AUTO_MAP"]
+__all__ = ["BertImplConfig", "SIZE_PRESETS", "AUTO_MAP", "REQUIRED_FIELDS"]

@@ -19,6 +19,18 @@ How this file differs from transformers' BERT
        eager function); a fully padded row gives finite outputs.
     5. Bad inputs (ids out of range, wrong mask shape, too-long sequences with learned positions)
        raise a `ValueError` naming the value instead of an `IndexError` deep inside torch.
+    6. Unpadding: a padded batch is gathered once into its real tokens (T, H); the projections,
+       LayerNorms and feed-forward run on those only, attention runs per sequence (flash-attention
+       varlen, or SDPA/eager on the padded layout), and the result is scattered back once. The same
+       path takes packed batches from `DataCollatorWithFlattening` (one row, `position_ids`
+       restarting at 0): attention never crosses a sequence boundary. Padding positions of
+       `last_hidden_state` / `hidden_states` hold zeros (transformers leaves values there that depend
+       only on padding). `config.unpad_inputs=False` turns it off; `output_attentions=True`,
+       `flex_attention` and `torch.compile` use the padded path.
+    7. Sparse prediction (`config.sparse_prediction=True`, off by default): when labels are given
+       the MLM head runs only on the labelled positions and `logits` is (n_labelled, V), row i
+       predicting `labels[labels != -100][i]`; without labels, and always when off, logits are the
+       full (b, s, V) of transformers.
 
 Shape legend: b batch, s sequence, h heads, d head dim (d_k), H hidden (= h * d), I intermediate,
 V vocabulary, c choices.
@@ -27,6 +39,10 @@ This file travels to the Hub: it imports only torch, transformers and `.configur
 """
 
 import math
+import os
+import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +165,8 @@ class BertImplEmbeddings(nn.Module):
         if self.config.position_embedding_type == "learned":
             return self.position_embeddings(position_ids)
         table = self.position_encoding
-        needed = int(position_ids.max()) + 1 if not torch.compiler.is_compiling() else table.size(0)
+        # An all-padding batch on the unpadded path has no tokens at all: nothing to extend.
+        needed = int(position_ids.max()) + 1 if position_ids.numel() and not torch.compiler.is_compiling() else table.size(0)
         if needed > table.size(0):  # longer than the stored rows: the formula holds for any position
             table = sinusoidal_position_encoding(needed, self.config.hidden_size).to(table.device)
         return F.embedding(position_ids, table.to(self.word_embeddings.weight.dtype))
@@ -187,7 +204,9 @@ class BertImplSelfAttention(nn.Module):
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size)
         self.attention_dropout = config.attention_probs_dropout_prob
 
-    def forward(self, hidden_states, attention_mask=None, output_attentions=False, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, output_attentions=False, unpad=None, **kwargs):
+        if unpad is not None:
+            return self._forward_unpadded(hidden_states, unpad, **kwargs), None
         b, s, _ = hidden_states.shape
         qkv = self.Wqkv(hidden_states).view(b, s, 3, self.num_heads, self.head_dim)  # (b, s, 3, h, d)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (b, h, s, d)
@@ -206,6 +225,29 @@ class BertImplSelfAttention(nn.Module):
             **kwargs,
         )  # out: (b, s, h, d)
         return self.Wo(out.reshape(b, s, -1)), probs  # (b, s, H)
+
+    def _forward_unpadded(self, hidden_states: torch.Tensor, unpad: "UnpadState", **kwargs) -> torch.Tensor:
+        """hidden_states: (T, H), the real tokens only. Flash-attention takes them as they are (varlen);
+        other backends see them scattered into the padded (n, m) grid of `unpad` and gathered back, which
+        costs two copies of (T, 3H) but keeps each sequence's attention exactly that of the padded path."""
+        T = hidden_states.size(0)
+        qkv = self.Wqkv(hidden_states)  # (T, 3H)
+        impl = self.config._attn_implementation
+        attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+        dropout = self.attention_dropout if self.training else 0.0
+        if _is_flash(impl):
+            q, k, v = qkv.view(1, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (1, h, T, d)
+            kwargs.update(
+                cu_seq_lens_q=unpad.cu_seqlens, cu_seq_lens_k=unpad.cu_seqlens,
+                max_length_q=unpad.max_seqlen, max_length_k=unpad.max_seqlen,
+            )
+            out, _ = attention_fn(self, q, k, v, None, scaling=self.scaling, dropout=dropout, **kwargs)  # (1, T, h, d)
+            return self.Wo(out.reshape(T, -1))  # (T, H)
+        n, m = unpad.grid_shape
+        grid = qkv.new_zeros(n * m, qkv.size(1)).index_copy(0, unpad.grid_index, qkv)  # (n*m, 3H)
+        q, k, v = grid.view(n, m, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n, h, m, d)
+        out, _ = attention_fn(self, q, k, v, unpad.grid_mask, scaling=self.scaling, dropout=dropout, **kwargs)  # (n, m, h, d)
+        return self.Wo(out.reshape(n * m, -1).index_select(0, unpad.grid_index))  # (T, H)
 
 
 class BertImplMLP(nn.Module):
@@ -232,8 +274,9 @@ class BertImplLayer(GradientCheckpointingLayer):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, hidden_states, attention_mask=None, output_attentions=False, **kwargs):
-        attn_out, probs = self.attn(hidden_states, attention_mask, output_attentions=output_attentions, **kwargs)
+    def forward(self, hidden_states, attention_mask=None, output_attentions=False, unpad=None, **kwargs):
+        """hidden_states: (b, s, H), or (T, H) real tokens when `unpad` is given."""
+        attn_out, probs = self.attn(hidden_states, attention_mask, output_attentions=output_attentions, unpad=unpad, **kwargs)
         hidden_states = self.attn_norm(hidden_states + self.dropout(attn_out))
         hidden_states = self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
         return hidden_states, probs  # (b, s, H), (b, h, s, s) or None
@@ -289,6 +332,74 @@ class BertImplPreTrainedModel(PreTrainedModel):
         if isinstance(module, BertImplEmbeddings) and hasattr(module, "position_encoding"):
             pe = sinusoidal_position_encoding(module.position_encoding.size(0), module.position_encoding.size(1))
             init.copy_(module.position_encoding, pe)
+
+    # Weight files transformers writes or reads (shards and indexes included): pickled ones, and the
+    # ones a previous save leaves behind.
+    _PICKLED_WEIGHTS = re.compile(r"pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?")
+    _WEIGHTS_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' loader with two refusals it lacks. A local directory that holds only pickled
+        `pytorch_model.bin` weights is refused (a pickle can run code; transformers would try it with
+        `torch.load(weights_only=True)`) unless the caller opts in with `use_safetensors=False`. A
+        truncated or corrupt `model.safetensors` raises a ValueError that says so, not a bare
+        SafetensorError. The config checks (model type, required fields) live in BertImplConfig."""
+        source = pretrained_model_name_or_path
+        folder = os.path.join(os.fspath(source), kwargs["subfolder"]) if kwargs.get("subfolder") else source
+        if folder is not None and os.path.isdir(folder) and kwargs.get("use_safetensors") is not False:
+            names = os.listdir(folder)
+            pickled = sorted(n for n in names if cls._PICKLED_WEIGHTS.fullmatch(n))
+            if pickled and not any(n.endswith(".safetensors") for n in names):
+                raise ValueError(
+                    f"{folder} holds only pickled weights {pickled}, which bert_impl does not load by default "
+                    "(a pickle can execute code). If you trust the file, convert it explicitly: "
+                    "model.load_state_dict(torch.load(path, weights_only=True)); model.save_pretrained(dir), "
+                    "or pass use_safetensors=False to load it with torch.load(weights_only=True)"
+                )
+        try:
+            return super().from_pretrained(source, *model_args, **kwargs)
+        except Exception as e:
+            # Matched by name: this file imports only torch and transformers (the Hub rule).
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise ValueError(
+                f"the weights in {source} cannot be read ({e}): model.safetensors is truncated or corrupt "
+                "(an interrupted download, copy or save?); download or save it again"
+            ) from e
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, *args, **kwargs):
+        """transformers' save, all or nothing: everything is written into a hidden sibling directory first,
+        so an interrupted save leaves `save_directory` either as it was or without a config.json (which
+        does not load), never a half-written checkpoint that loads. A new directory is one rename; in an
+        existing one the old config.json goes first, the new files move in, the new config.json last;
+        other files there (tokenizer, checkpoints) stay. Pushes and non-main ranks go straight through."""
+        if kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint") or not is_main_process:
+            return super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        target = os.path.abspath(os.fspath(save_directory))
+        if os.path.isfile(target):
+            raise ValueError(f"save_pretrained needs a directory, but {target} is a file")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=os.path.dirname(target))
+        try:
+            super().save_pretrained(staging, is_main_process, *args, **kwargs)
+            if not os.path.exists(target):
+                os.rename(staging, target)
+                return
+            new_names = set(os.listdir(staging))
+            config_path = os.path.join(target, "config.json")
+            if os.path.exists(config_path):
+                os.remove(config_path)
+            for name in os.listdir(target):
+                if self._WEIGHTS_FILE.fullmatch(name) and name not in new_names:
+                    os.remove(os.path.join(target, name))  # a previous save's shards would mix with ours
+            for name in sorted(new_names - {"config.json"}) + ["config.json"]:
+                dst = os.path.join(target, name)
+                if os.path.isdir(dst):
+                    shutil.rmtree(dst)
+                os.replace(os.path.join(staging, name), dst)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _check_model_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
         """Turn inputs that torch would reject with an opaque IndexError into a ValueError that
@@ -348,6 +459,84 @@ def _additive_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> 
     return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
+def _block_diagonal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(1, s) packed position ids -> (1, 1, s, s) additive mask letting a token attend only inside its
+    own sequence (a sequence starts where its position id is 0). Tensor ops only, so it compiles."""
+    seq = position_ids.eq(0).cumsum(-1)  # (1, s): index of the sequence each token belongs to
+    same = seq[:, :, None] == seq[:, None, :]  # (1, s, s)
+    return (~same[:, None]).to(dtype) * torch.finfo(dtype).min
+
+
+def _sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """(1, s) position ids of a packed row -> (n,) index of each sequence's first token: token 0 and
+    every token whose position id restarts at 0 (DataCollatorWithFlattening's convention)."""
+    first = position_ids.view(-1).eq(0)
+    first[0] = True
+    return first.nonzero().squeeze(1)
+
+
+def _is_flash(impl: str | None) -> bool:
+    """flash-attention backends take variable-length sequences natively (cu_seqlens)."""
+    return impl is not None and "flash" in impl and "paged" not in impl
+
+
+@dataclass
+class UnpadState:
+    """Where the real tokens of a batch live; built once per forward, read by every layer.
+
+    batch_shape: (b, s) of the input. indices: (T,) the real tokens' positions in the flattened (b*s)
+    input, or None when every position is a token (a packed row). grid_shape (n, m) and grid_index
+    (T,): each token's slot among n sequences of m slots, the layout SDPA / eager attention see;
+    grid_mask: (n, 1, 1, m) additive mask of that grid (None when no slot is empty). cu_seqlens
+    (n + 1,) int32 and max_seqlen: the same sequences for flash-attention varlen.
+    """
+
+    batch_shape: tuple[int, int]
+    indices: torch.Tensor | None
+    grid_shape: tuple[int, int]
+    grid_index: torch.Tensor
+    grid_mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+    @classmethod
+    def from_padding_mask(cls, attention_mask: torch.Tensor, dtype: torch.dtype) -> "UnpadState":
+        """A padded batch: the grid is the input's own (b, s) layout and mask, so attention sees
+        exactly what the padded path sees, for any padding pattern."""
+        b, s = attention_mask.shape
+        keep = attention_mask.bool()
+        indices = keep.flatten().nonzero().squeeze(1)  # (T,)
+        lengths = keep.sum(1, dtype=torch.int32)  # (b,)
+        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (b + 1,)
+        mask = _additive_padding_mask(attention_mask, dtype)  # (b, 1, 1, s)
+        return cls((b, s), indices, (b, s), indices, mask, cu_seqlens, int(lengths.max()))
+
+    @classmethod
+    def from_packed(cls, total: int, starts: torch.Tensor, dtype: torch.dtype) -> "UnpadState":
+        """One row of `total` tokens holding sequences back to back; starts: (n,) their first indices."""
+        device = starts.device
+        cu_seqlens = torch.cat([starts.long(), torch.tensor([total], device=device)])  # (n + 1,)
+        lengths = cu_seqlens.diff()  # (n,)
+        n, m = lengths.numel(), int(lengths.max())
+        seq = torch.repeat_interleave(torch.arange(n, device=device), lengths)  # (T,) sequence of each token
+        slot = torch.arange(total, device=device) - cu_seqlens[seq]  # (T,) its place in that sequence
+        valid = torch.arange(m, device=device)[None, :] < lengths[:, None]  # (n, m)
+        mask = None if bool(valid.all()) else _additive_padding_mask(valid.long(), dtype)
+        return cls((1, total), None, (n, m), seq * m + slot, mask, cu_seqlens.int(), m)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, s, ...) -> (T, ...): the real tokens."""
+        t = t.flatten(0, 1)
+        return t if self.indices is None else t.index_select(0, self.indices)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, H) -> (b, s, H) with zeros at padding."""
+        b, s = self.batch_shape
+        if self.indices is None:
+            return x.view(b, s, -1)
+        return x.new_zeros(b * s, x.size(-1)).index_copy(0, self.indices, x).view(b, s, -1)
+
+
 class BertImplModel(BertImplPreTrainedModel):
     """The bare encoder: embeddings, `num_hidden_layers` post-LN layers, optional tanh pooler."""
 
@@ -364,8 +553,52 @@ class BertImplModel(BertImplPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    def _attention_mask(self, attention_mask, embeddings, output_attentions):
+    def _unpad_state(self, input_shape, attention_mask, position_ids, dtype, output_attentions, kwargs):
+        """The token map of the unpadded path (docstring item 6), or None for the padded path: no
+        padding, `unpad_inputs=False`, attention probabilities asked for (eager needs the full square),
+        a backend without a varlen route (flex), or compiling (the map has data-dependent shapes).
+        Packed flash-attention kwargs from `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`
+        are taken from `kwargs` (and removed: each layer gets them from the map)."""
+        cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
+        for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+            kwargs.pop(name, None)
+        impl = self.config._attn_implementation
+        if (
+            not getattr(self.config, "unpad_inputs", True)
+            or output_attentions
+            or torch.compiler.is_compiling()
+            or not (impl in ("eager", "sdpa") or _is_flash(impl))
+        ):
+            return None
+        b, s = input_shape
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return UnpadState.from_padding_mask(attention_mask, dtype)
+        if b != 1:
+            return None
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.to(torch.long).view(-1)
+            if int(cu_seqlens[-1]) != s or int(cu_seqlens[0]) != 0:
+                raise ValueError(
+                    f"cu_seq_lens_q {cu_seqlens.tolist()} must run from 0 to the packed length {s}; pass the "
+                    "collator's kwargs unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
+                )
+            starts = cu_seqlens[:-1]
+        elif position_ids is not None:
+            starts = _sequence_starts(position_ids)
+        else:
+            return None
+        return UnpadState.from_packed(s, starts, dtype) if starts.numel() > 1 else None
+
+    def _attention_mask(self, attention_mask, embeddings, output_attentions, position_ids=None):
         """Built once per forward in the format the chosen backend wants."""
+        if attention_mask is None and position_ids is not None and position_ids.size(0) == 1 and embeddings.size(1) > 1:
+            # Possibly a packed row (DataCollatorWithFlattening): keep attention inside each sequence.
+            # flash finds the sequences in position_ids itself; the others get a block-diagonal mask.
+            if _is_flash(self.config._attn_implementation) and not output_attentions:
+                return None
+            if not torch.compiler.is_compiling() and _sequence_starts(position_ids).numel() == 1:
+                return None  # one sequence: nothing to separate
+            return _block_diagonal_mask(position_ids, embeddings.dtype)
         if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
             return None  # nothing to mask: lets SDPA / flash take their fastest path
         if output_attentions or self.config._attn_implementation in ("eager", "sdpa"):
@@ -394,9 +627,18 @@ class BertImplModel(BertImplPreTrainedModel):
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
         self._check_model_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        input_shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
+        dtype = self.embeddings.word_embeddings.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
+        unpad = self._unpad_state(input_shape, attention_mask, position_ids, dtype, output_attentions, kwargs)
+        if unpad is not None:
+            return self._forward_unpadded(
+                unpad, input_ids, token_type_ids, position_ids, inputs_embeds, output_hidden_states, return_dict, **kwargs
+            )
 
         hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (b, s, H)
-        mask = self._attention_mask(attention_mask, hidden_states, output_attentions)
+        if _is_flash(self.config._attn_implementation) and attention_mask is None and position_ids is not None:
+            kwargs["position_ids"] = position_ids  # flash-attention finds packed sequences in them
+        mask = self._attention_mask(attention_mask, hidden_states, output_attentions, position_ids)
         all_hidden = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for layer in self.layers:
@@ -413,6 +655,54 @@ class BertImplModel(BertImplPreTrainedModel):
             attentions=all_attentions,
         )
         return out if return_dict else out.to_tuple()
+
+    def _forward_unpadded(
+        self, unpad, input_ids, token_type_ids, position_ids, inputs_embeds, output_hidden_states, return_dict, **kwargs
+    ):
+        """The encoder on real tokens only: gather once, run every layer on (T, H), scatter once."""
+        b, s = unpad.batch_shape
+        device = unpad.grid_index.device
+        if position_ids is None:
+            position_ids = torch.arange(s, device=device)[None, :]  # (1, s)
+        position_ids = position_ids.expand(b, s)
+
+        def tokens(t):  # (b, s[, H]) -> (1, T[, H]), the layout the embeddings take
+            return None if t is None else unpad.gather(t).unsqueeze(0)
+
+        hidden_states = self.embeddings(
+            tokens(input_ids), tokens(token_type_ids), tokens(position_ids), tokens(inputs_embeds)
+        )[0]  # (T, H)
+        all_hidden = (unpad.scatter(hidden_states),) if output_hidden_states else None
+        for layer in self.layers:
+            hidden_states, _ = layer(hidden_states, None, unpad=unpad, **kwargs)  # (T, H)
+            if output_hidden_states:
+                all_hidden += (unpad.scatter(hidden_states),)
+        hidden_states = all_hidden[-1] if output_hidden_states else unpad.scatter(hidden_states)  # (b, s, H)
+        pooled = self.pooler(hidden_states) if self.pooler is not None else None
+        out = BaseModelOutputWithPooling(
+            last_hidden_state=hidden_states, pooler_output=pooled, hidden_states=all_hidden, attentions=None
+        )
+        return out if return_dict else out.to_tuple()
+
+
+def _mlm_logits_and_loss(model, sequence_output, labels, num_items_in_batch):
+    """The MLM head and `masked_lm_loss` for (b, s, H) states and (b, s) labels. With
+    `config.sparse_prediction` the head runs only on the n labelled positions (docstring item 7) and
+    the logits are (n, V); the loss is the same number either way, since unlabelled positions add 0.
+    cross_entropy already fuses log-softmax and the gather, so the loss needs no hand-written kernel."""
+    if tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
+        raise ValueError(
+            f"labels have shape {tuple(labels.shape)} but the input has shape {tuple(sequence_output.shape[:-1])}; "
+            "pass one label per token (-100 where there is nothing to predict)"
+        )
+    if getattr(model.config, "sparse_prediction", False) and not torch.compiler.is_compiling():
+        labels = labels.reshape(-1)
+        keep = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
+        hidden = sequence_output.reshape(-1, sequence_output.size(-1)).index_select(0, keep)  # (n, H)
+        logits = model.lm_head(hidden)  # (n, V)
+        return logits, masked_lm_loss(logits, labels.index_select(0, keep), num_items_in_batch)
+    logits = model.lm_head(sequence_output)  # (b, s, V)
+    return logits, masked_lm_loss(logits, labels, num_items_in_batch)
 
 
 def _head_output(self, output_cls, return_dict, **fields):
@@ -459,8 +749,10 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
         )
-        logits = self.lm_head(outputs.last_hidden_state)  # (b, s, V)
-        loss = masked_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
+        if labels is None:
+            logits, loss = self.lm_head(outputs.last_hidden_state), None  # (b, s, V)
+        else:
+            logits, loss = _mlm_logits_and_loss(self, outputs.last_hidden_state, labels, num_items_in_batch)
         return _head_output(
             self, MaskedLMOutput, return_dict,
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
@@ -508,11 +800,12 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
         )
-        prediction_logits = self.lm_head(outputs.last_hidden_state)  # (b, s, V)
         nsp_logits = self.nsp_head(outputs.pooler_output)  # (b, 2)
         loss = None
-        if labels is not None and next_sentence_label is not None:
-            mlm = masked_lm_loss(prediction_logits, labels, num_items_in_batch)
+        if labels is None or next_sentence_label is None:
+            prediction_logits = self.lm_head(outputs.last_hidden_state)  # (b, s, V)
+        else:
+            prediction_logits, mlm = _mlm_logits_and_loss(self, outputs.last_hidden_state, labels, num_items_in_batch)
             nsp = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
             if num_items_in_batch is not None:
                 nsp = nsp * labels.ne(IGNORE_INDEX).sum() / num_items_in_batch

@@ -1,0 +1,474 @@
+"""Hostile inputs and hostile files.
+
+Inputs: hypothesis draws valid configs (sizes, heads, position type, activation, attention backend)
+and valid inputs (lengths, padding patterns, token types, masks of all zeros, bool or int masks)
+and checks that every output is finite; it draws invalid configs and inputs and checks for the
+documented ValueError naming the field or the value.
+
+Files: a truncated or corrupt model.safetensors, config.json of the wrong model type, with a
+required field missing or of the wrong type, a transformers BERT directory, pickled .bin weights
+(one whose payload would create a marker file), and interrupted saves. Each gives a clear error,
+changes no file, and runs no code; an interrupted save never leaves a checkpoint that loads with
+mixed contents.
+"""
+
+import hashlib
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transformers import AutoModel
+
+from hf_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplModel
+from hf_bert_impl.configuration_bert_impl import HIDDEN_ACTS, REQUIRED_FIELDS
+
+# Model construction dominates each example; these counts keep the file inside its time share.
+VALID_EXAMPLES = 100
+INVALID_EXAMPLES = 100
+HYPO = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile inputs
+
+
+@st.composite
+def valid_case(draw):
+    heads = draw(st.integers(1, 4))
+    position = draw(st.sampled_from(["sinusoidal", "learned"]))
+    max_pos = draw(st.integers(2, 12))
+    config = BertImplConfig(
+        vocab_size=draw(st.integers(2, 40)),
+        hidden_size=heads * draw(st.integers(1, 6)),
+        num_hidden_layers=draw(st.integers(1, 2)),
+        num_attention_heads=heads,
+        intermediate_size=draw(st.integers(1, 24)),
+        hidden_act=draw(st.sampled_from(HIDDEN_ACTS)),
+        max_position_embeddings=max_pos,
+        type_vocab_size=draw(st.integers(1, 3)),
+        position_embedding_type=position,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation=draw(st.sampled_from(["eager", "sdpa"])),
+    )
+    b = draw(st.integers(1, 4))
+    # Sinusoidal positions work past the stored table, so lengths go beyond it there.
+    s = draw(st.integers(1, max_pos if position == "learned" else max_pos + 6))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, config.vocab_size, (b, s), generator=g)
+    token_type_ids = draw(st.sampled_from([None, "random"]))
+    if token_type_ids == "random":
+        token_type_ids = torch.randint(0, config.type_vocab_size, (b, s), generator=g)
+    pattern = draw(st.sampled_from(["none", "ones", "zeros", "right_pad", "random", "one_row_zero"]))
+    if pattern == "none":
+        mask = None
+    elif pattern == "ones":
+        mask = torch.ones(b, s, dtype=torch.long)
+    elif pattern == "zeros":
+        mask = torch.zeros(b, s, dtype=torch.long)
+    elif pattern == "right_pad":
+        lengths = torch.randint(0, s + 1, (b,), generator=g)
+        mask = (torch.arange(s)[None, :] < lengths[:, None]).long()
+    elif pattern == "random":
+        mask = torch.randint(0, 2, (b, s), generator=g)
+    else:
+        mask = torch.ones(b, s, dtype=torch.long)
+        mask[0] = 0
+    if mask is not None and draw(st.booleans()):
+        mask = mask.bool()
+    labels = torch.where(torch.rand(b, s, generator=g) < 0.5, input_ids, torch.full_like(input_ids, -100))
+    return config, seed, dict(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids), labels, pattern
+
+
+@settings(max_examples=VALID_EXAMPLES, **HYPO)
+@given(valid_case())
+def test_valid_configs_and_inputs_give_finite_outputs(case):
+    config, seed, inputs, labels, pattern = case
+    torch.manual_seed(seed)
+    model = BertImplForMaskedLM(config).eval()
+    with torch.no_grad():
+        out = model(**inputs, labels=labels, output_hidden_states=True)
+        probs = model(**inputs, output_attentions=True).attentions
+    assert torch.isfinite(out.logits).all(), f"non-finite logits ({pattern} mask)"
+    assert torch.isfinite(out.loss), f"non-finite loss {out.loss} ({pattern} mask)"
+    for h in out.hidden_states:
+        assert torch.isfinite(h).all()
+    b, s = inputs["input_ids"].shape
+    for p in probs:  # real probabilities, even for a fully padded row (uniform, not NaN)
+        assert p.shape == (b, config.num_attention_heads, s, s)
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p.sum(-1), torch.ones_like(p.sum(-1)), atol=1e-5, rtol=0)
+    encoder = BertImplModel(config).eval()
+    with torch.no_grad():
+        pooled = encoder(**inputs).pooler_output
+    assert torch.isfinite(pooled).all()
+    mask = inputs["attention_mask"]
+    if mask is not None and not mask.bool().all():
+        # Padding is invisible: other ids under the mask change nothing at the real tokens.
+        real = mask.bool()
+        noise = torch.randint(0, config.vocab_size, real.shape, generator=torch.Generator().manual_seed(seed + 1))
+        with torch.no_grad():
+            again = model(**{**inputs, "input_ids": torch.where(real, inputs["input_ids"], noise)}).logits
+        torch.testing.assert_close(again[real], out.logits[real], atol=1e-5, rtol=1e-5)
+
+
+# (field, bad value, text the error must contain)
+BAD_CONFIG_VALUES = [
+    ("vocab_size", 0, "vocab_size"), ("vocab_size", -3, "vocab_size"), ("vocab_size", 99.0, "vocab_size"),
+    ("hidden_size", True, "hidden_size"), ("hidden_size", "32", "hidden_size"),
+    ("num_hidden_layers", 0, "num_hidden_layers"), ("num_attention_heads", 5, "divisible"),
+    ("num_attention_heads", 0, "num_attention_heads"), ("intermediate_size", None, "intermediate_size"),
+    ("max_position_embeddings", -1, "max_position_embeddings"), ("type_vocab_size", 0, "type_vocab_size"),
+    ("hidden_dropout_prob", 1.0, "hidden_dropout_prob"), ("attention_probs_dropout_prob", -0.1, "attention_probs_dropout_prob"),
+    ("classifier_dropout", 1.5, "classifier_dropout"), ("position_embedding_type", "absolute", "'learned'"),
+    ("position_embedding_type", "rotary", "position_embedding_type"), ("hidden_act", "gelu2", "hidden_act"),
+    ("layer_norm_eps", 0, "layer_norm_eps"), ("initializer_range", "0.02", "initializer_range"),
+    ("pad_token_id", 99, "pad_token_id"), ("pad_token_id", -1, "pad_token_id"),
+]
+
+
+@settings(max_examples=INVALID_EXAMPLES, **HYPO)
+@given(st.sampled_from(BAD_CONFIG_VALUES), st.integers(1, 4))
+def test_invalid_config_raises_value_error_naming_field(bad, heads):
+    field, value, expected = bad
+    kw = dict(vocab_size=99, hidden_size=heads * 8, num_attention_heads=heads, num_hidden_layers=1, intermediate_size=7)
+    kw[field] = value
+    if field == "num_attention_heads" and value == 5:
+        kw["hidden_size"] = 32
+    with pytest.raises(ValueError, match=expected) as err:
+        BertImplConfig(**kw)
+    assert repr(value) in str(err.value) or str(value) in str(err.value)
+
+
+@st.composite
+def invalid_input(draw):
+    b, s = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    kind = draw(st.sampled_from(["id_high", "id_negative", "type_high", "mask_shape", "ids_3d", "learned_too_long", "both"]))
+    ids = torch.randint(0, 20, (b, s))
+    kw = dict(input_ids=ids)
+    if kind == "id_high":
+        bad = draw(st.integers(20, 10**6))
+        ids[draw(st.integers(0, b - 1)), draw(st.integers(0, s - 1))] = bad
+        return kw, "input_ids", str(bad)
+    if kind == "id_negative":
+        bad = draw(st.integers(-(10**6), -1))
+        ids[0, 0] = bad
+        return kw, "input_ids", str(bad)
+    if kind == "type_high":
+        bad = draw(st.integers(2, 50))
+        kw["token_type_ids"] = torch.full((b, s), bad)
+        return kw, "token_type_ids", str(bad)
+    if kind == "mask_shape":
+        kw["attention_mask"] = torch.ones(b, s + draw(st.integers(1, 3)))
+        return kw, "attention_mask", "shape"
+    if kind == "ids_3d":
+        kw["input_ids"] = ids[None]
+        return kw, "input_ids", "shape"
+    if kind == "both":
+        kw["inputs_embeds"] = torch.zeros(b, s, 16)
+        return kw, "exactly one", ""
+    kw["input_ids"] = torch.randint(0, 20, (b, 8 + draw(st.integers(1, 5))))
+    return kw, "max_position_embeddings", "truncat"
+
+
+@settings(max_examples=INVALID_EXAMPLES, **HYPO)
+@given(invalid_input())
+def test_invalid_inputs_raise_value_error_naming_the_value(case):
+    kw, names, mentions = case
+    config = BertImplConfig(
+        vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=7,
+        max_position_embeddings=8, position_embedding_type="learned",
+    )
+    model = BertImplModel(config).eval()
+    with pytest.raises(ValueError) as err:
+        model(**kw)
+    assert names in str(err.value) and mentions in str(err.value), str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile files
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under `folder` (and the folder's siblings' names) -> sha256, to prove nothing changed."""
+    files = {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+    return {"files": files, "siblings": sorted(p.name for p in folder.parent.iterdir())}
+
+
+@pytest.fixture
+def saved(tmp_path, debug_config):
+    """A valid saved BertImplModel (debug flavour) in tmp_path/ckpt, and the model."""
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config()).eval()
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def assert_refused(folder: Path, load, match: str):
+    """`load()` raises a ValueError matching `match` and leaves every file as it was. Returns the message."""
+    before = snapshot(folder)
+    with pytest.raises(ValueError, match=match) as err:
+        load()
+    assert snapshot(folder) == before, "a failed load changed files"
+    return str(err.value)
+
+
+CORRUPTIONS = {
+    "truncated_half": lambda data: data[: len(data) // 2],
+    "truncated_to_header_length": lambda data: data[:8],
+    "empty": lambda data: b"",
+    "header_garbage": lambda data: data[:8] + b"\xff" * 16 + data[24:],
+    "not_safetensors": lambda data: b"<html>404 Not Found</html>",
+    "last_byte_missing": lambda data: data[:-1],
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupt_safetensors_is_a_clear_error(saved, corruption):
+    folder, _ = saved
+    weights = folder / "model.safetensors"
+    weights.write_bytes(CORRUPTIONS[corruption](weights.read_bytes()))
+    msg = assert_refused(folder, lambda: BertImplModel.from_pretrained(folder), "truncated or corrupt")
+    assert str(folder) in msg
+    print(f"{corruption}: {msg}")
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "roberta", None])
+def test_wrong_model_type_is_refused(saved, model_type):
+    folder, _ = saved
+    config = json.loads((folder / "config.json").read_text())
+    if model_type is None:
+        del config["model_type"]
+    else:
+        config["model_type"] = model_type
+    (folder / "config.json").write_text(json.dumps(config))
+    for load in (lambda: BertImplModel.from_pretrained(folder), lambda: BertImplConfig.from_pretrained(folder)):
+        msg = assert_refused(folder, load, f"model_type={model_type!r}")
+    print(f"model_type={model_type!r}: {msg}")
+
+
+def test_transformers_bert_directory_points_to_the_converter(minilm_dir):
+    """A real transformers BERT checkpoint (all-MiniLM-L6-v2) loaded with our classes: the error names
+    the converter instead of building our model with random weights (transformers only warns)."""
+    for load in (
+        lambda: BertImplConfig.from_pretrained(minilm_dir),
+        lambda: BertImplModel.from_pretrained(minilm_dir),
+        lambda: BertImplForMaskedLM.from_pretrained(minilm_dir),
+    ):
+        msg = assert_refused(minilm_dir, load, "model_type='bert'")
+        assert "hf_bert_impl.convert.from_hf_bert" in msg and "convert_checkpoint.py --from-hf" in msg
+    print(f"transformers BERT dir: {msg}")
+
+
+@pytest.mark.parametrize("field", REQUIRED_FIELDS)
+def test_missing_required_field_is_named(saved, field):
+    folder, _ = saved
+    config = json.loads((folder / "config.json").read_text())
+    del config[field]
+    (folder / "config.json").write_text(json.dumps(config))
+    # Through our class and through the Auto class (AutoConfig reads the file, then our from_dict).
+    for load in (lambda: BertImplModel.from_pretrained(folder), lambda: AutoModel.from_pretrained(folder)):
+        msg = assert_refused(folder, load, f"missing required field.*'{field}'")
+    print(f"missing {field}: {msg}")
+
+
+WRONG_TYPES = {
+    "num_attention_heads": "4", "hidden_size": 32.0, "vocab_size": None, "layer_norm_eps": "1e-12",
+    "position_embedding_type": 1, "hidden_act": ["gelu"], "type_vocab_size": True, "hidden_dropout_prob": "0.1",
+}
+
+
+@pytest.mark.parametrize("field", sorted(WRONG_TYPES))
+def test_wrong_field_type_is_named(saved, field):
+    folder, _ = saved
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = WRONG_TYPES[field]
+    (folder / "config.json").write_text(json.dumps(config))
+    msg = assert_refused(folder, lambda: BertImplModel.from_pretrained(folder), f"BertImplConfig.{field}")
+    assert repr(WRONG_TYPES[field]) in msg
+    print(f"{field}={WRONG_TYPES[field]!r}: {msg}")
+
+
+class _MarkerPayload:
+    """Unpickling this calls open(marker, 'w'): the file appears if and only if the pickle's code ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickled_weights_are_refused_and_run_no_code(saved, tmp_path):
+    folder, model = saved
+    marker = tmp_path / "code_ran.txt"
+    (folder / "model.safetensors").unlink()
+    state = dict(model.state_dict())
+    state["payload"] = _MarkerPayload(marker)
+    torch.save(state, folder / "pytorch_model.bin")
+
+    msg = assert_refused(folder, lambda: BertImplModel.from_pretrained(folder), "only pickled weights")
+    assert "weights_only=True" in msg
+    assert not marker.exists()
+    print(f"pickled pytorch_model.bin: {msg}")
+    # Opting in (use_safetensors=False) goes through transformers' torch.load(weights_only=True),
+    # which refuses the payload: still no code.
+    before = snapshot(folder)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        BertImplModel.from_pretrained(folder, use_safetensors=False)
+    assert not marker.exists() and snapshot(folder) == before
+    # The payload is live: an unsafe load does run it, so the two checks above could have failed.
+    torch.load(folder / "pytorch_model.bin", weights_only=False)
+    assert marker.exists()
+
+
+def test_clean_pickled_weights_load_only_when_asked(saved):
+    folder, model = saved
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    assert_refused(folder, lambda: BertImplModel.from_pretrained(folder), "use_safetensors=False")
+    loaded = BertImplModel.from_pretrained(folder, use_safetensors=False)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+# ----------------------------------------------------------------------------------------------
+# Interrupted saves
+
+
+def _model(debug_config, seed, **overrides):
+    torch.manual_seed(seed)
+    return BertImplModel(debug_config(**overrides)).eval()
+
+
+def _same(a, b) -> bool:
+    return a.config.hidden_act == b.config.hidden_act and all(
+        torch.equal(a.state_dict()[k], t) for k, t in b.state_dict().items()
+    )
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt_weight_write(monkeypatch):
+    """Make transformers' weight writer die after writing half a file (a crash or Ctrl-C mid-write)."""
+    import transformers.modeling_utils as mu
+
+    real = mu.safe_save_file
+
+    def half_then_die(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        data = Path(filename).read_bytes()
+        Path(filename).write_bytes(data[: len(data) // 2])
+        raise Interrupted(filename)
+
+    monkeypatch.setattr(mu, "safe_save_file", half_then_die)
+
+
+def test_plain_transformers_save_can_leave_a_mixed_checkpoint(tmp_path, debug_config, monkeypatch):
+    """The hazard the override removes: transformers writes config.json before the weights, so a save
+    interrupted before the weights land leaves the new config beside the old weights, and it loads."""
+    from transformers import PreTrainedModel
+
+    old, new = _model(debug_config, 0), _model(debug_config, 1, hidden_act="relu")
+    old.save_pretrained(tmp_path / "ckpt")
+    import transformers.modeling_utils as mu
+
+    def die(*args, **kwargs):
+        raise Interrupted
+
+    monkeypatch.setattr(mu, "safe_save_file", die)
+    with pytest.raises(Interrupted):
+        PreTrainedModel.save_pretrained(new, tmp_path / "ckpt")
+    mixed = BertImplModel.from_pretrained(tmp_path / "ckpt")
+    assert mixed.config.hidden_act == "relu" and not _same(mixed, new) and not _same(mixed, old)
+
+
+def test_interrupted_weight_write_leaves_old_checkpoint(tmp_path, debug_config, monkeypatch):
+    old, new = _model(debug_config, 0), _model(debug_config, 1, hidden_act="relu")
+    folder = tmp_path / "ckpt"
+    old.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    before = snapshot(folder)
+    _interrupt_weight_write(monkeypatch)
+    with pytest.raises(Interrupted):
+        new.save_pretrained(folder)
+    assert snapshot(folder) == before  # untouched, and no staging directory left beside it
+    assert _same(BertImplModel.from_pretrained(folder), old)
+
+
+def test_interrupted_new_directory_does_not_exist(tmp_path, debug_config, monkeypatch):
+    _interrupt_weight_write(monkeypatch)
+    with pytest.raises(Interrupted):
+        _model(debug_config, 0).save_pretrained(tmp_path / "fresh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_save_interrupted_at_every_file_move_never_loads_mixed(tmp_path, debug_config, monkeypatch):
+    """Kill the swap after k of its file moves, for every k: the directory then loads as the old
+    model, as the new one, or not at all (no config.json), never as a mix."""
+    import os
+
+    old, new = _model(debug_config, 0), _model(debug_config, 1, hidden_act="relu")
+    real_replace = os.replace
+    outcomes = []
+    for k in range(10):
+        folder = tmp_path / f"ckpt{k}"
+        old.save_pretrained(folder)
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"stale shard of an older save")
+        calls = []
+
+        def replace(src, dst, calls=calls, k=k):
+            if len(calls) == k:
+                raise Interrupted(dst)
+            calls.append(dst)
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        try:
+            new.save_pretrained(folder)
+            finished = True
+        except Interrupted:
+            finished = False
+        monkeypatch.setattr(os, "replace", real_replace)
+        try:
+            loaded = BertImplModel.from_pretrained(folder)
+        except (OSError, ValueError):
+            outcomes.append("does not load")
+            assert not finished
+            continue
+        if _same(loaded, new):
+            outcomes.append("new")
+        else:
+            assert _same(loaded, old), f"interrupted after {k} moves: loads a mixed checkpoint"
+            outcomes.append("old")
+        if finished:
+            break
+    assert outcomes[-1] == "new" and "does not load" in outcomes, outcomes
+    assert not (folder / "model-00001-of-00002.safetensors").exists()  # the old save's shard is gone
+    assert not [p for p in tmp_path.iterdir() if ".saving-" in p.name and p.name.startswith(f".ckpt{k}")]
+    print(f"interrupted swap outcomes by step: {outcomes}")
+
+
+def test_save_into_existing_directory_keeps_other_files(tmp_path, debug_config):
+    old, new = _model(debug_config, 0), _model(debug_config, 1)
+    folder = tmp_path / "ckpt"
+    old.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text('{"kept": true}')
+    (folder / "checkpoint-5").mkdir()
+    (folder / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    new.save_pretrained(folder)
+    assert (folder / "tokenizer.json").read_text() == '{"kept": true}'
+    assert (folder / "checkpoint-5" / "trainer_state.json").exists()
+    assert _same(BertImplModel.from_pretrained(folder), new)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    shutil.rmtree(folder)
