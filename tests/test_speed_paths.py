@@ -1,0 +1,422 @@
+"""The speed paths of modeling_bert_impl.py, each against the plain path it replaces (fp32, 1e-5):
+unpadding (padded batches and packed rows from DataCollatorWithFlattening), sparse MLM
+prediction, and torch.compile (no graph breaks at fixed shape, no recompile per length).
+
+Run: pytest tests/test_speed_paths.py -q
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DataCollatorWithFlattening
+
+from hf_bert_impl import BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
+from hf_bert_impl import modeling_bert_impl as mb
+
+ATOL = 1e-5  # float32, unit-scale activations (design.md)
+VOCAB = 99
+
+
+def _plain(model):
+    """The same weights with the unpadded path switched off: the reference every speed path must match."""
+    other = copy.deepcopy(model)
+    other.config.unpad_inputs = False
+    return other
+
+
+def _spy_unpadding(monkeypatch):
+    """Count how often the unpadded encoder runs, so a test cannot pass on the plain path by accident."""
+    calls = []
+    original = BertImplModel._forward_unpadded
+
+    def spy(self, unpad, *args, **kwargs):
+        calls.append(unpad)
+        return original(self, unpad, *args, **kwargs)
+
+    monkeypatch.setattr(BertImplModel, "_forward_unpadded", spy)
+    return calls
+
+
+def _max_diff_real(a, b, attention_mask):
+    real = attention_mask.bool()
+    return (a - b)[real].abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Unpadding on padded batches
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_unpadded_forward_matches_padded_path(debug_config, batch, backend, monkeypatch):
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config(attn_implementation=backend)).eval()
+    plain = _plain(model)
+    input_ids, attention_mask, token_type_ids = batch
+    calls = _spy_unpadding(monkeypatch)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, output_hidden_states=True)
+        assert len(calls) == 1 and calls[0].indices.numel() == int(attention_mask.sum())
+        want = plain(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, output_hidden_states=True)
+    assert len(calls) == 1  # the plain model did not unpad
+    assert _max_diff_real(got.last_hidden_state, want.last_hidden_state, attention_mask) <= ATOL
+    assert (got.pooler_output - want.pooler_output).abs().max().item() <= ATOL
+    assert len(got.hidden_states) == len(want.hidden_states) == model.config.num_hidden_layers + 1
+    for g, w in zip(got.hidden_states, want.hidden_states):
+        assert _max_diff_real(g, w, attention_mask) <= ATOL
+        assert g[~attention_mask.bool()].abs().max().item() == 0.0  # padding positions hold zeros
+    assert torch.equal(got.hidden_states[-1], got.last_hidden_state)
+
+
+def test_unpadded_gradients_match_padded_path(debug_config, batch):
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config()).train()
+    plain = _plain(model)
+    input_ids, attention_mask, token_type_ids = batch
+    labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
+    losses = []
+    for m in (model, plain):
+        out = m(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+        out.loss.backward()
+        losses.append(out.loss.item())
+    assert abs(losses[0] - losses[1]) <= ATOL
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= ATOL, name
+
+
+def test_unpadding_with_gradient_checkpointing(debug_config, batch):
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config()).train()
+    plain = _plain(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    input_ids, attention_mask, _ = batch
+    labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
+    for m in (model, plain):
+        m(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= ATOL, name
+
+
+@pytest.mark.parametrize("pattern", ["left", "holes", "one_row_fully_padded"])
+def test_unpadding_any_padding_pattern(debug_config, batch, pattern, monkeypatch):
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config()).eval()
+    input_ids, attention_mask, _ = batch
+    if pattern == "left":
+        attention_mask = attention_mask.flip(1)
+    elif pattern == "holes":
+        attention_mask = attention_mask.clone()
+        attention_mask[:, 2] = 0
+    else:
+        attention_mask = attention_mask.clone()
+        attention_mask[3] = 0
+    calls = _spy_unpadding(monkeypatch)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=attention_mask)
+        want = _plain(model)(input_ids, attention_mask=attention_mask)
+    assert len(calls) == 1
+    assert torch.isfinite(got.last_hidden_state).all() and torch.isfinite(got.pooler_output).all()
+    assert _max_diff_real(got.last_hidden_state, want.last_hidden_state, attention_mask) <= ATOL
+
+
+def test_unpadded_path_matches_transformers_bert(debug_config, batch):
+    """The oracle: transformers' BertModel (sdpa) with the same weights, on a padded batch."""
+    from transformers import BertConfig, BertModel
+
+    from hf_bert_impl.convert import from_hf_bert
+
+    torch.manual_seed(0)
+    hf = BertModel(
+        BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=37, max_position_embeddings=64, attn_implementation="sdpa")
+    ).eval()
+    ours = from_hf_bert(hf, BertImplModel).eval()
+    assert getattr(ours.config, "unpad_inputs", True)
+    input_ids, attention_mask, token_type_ids = batch
+    with torch.no_grad():
+        got = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        want = hf(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    assert _max_diff_real(got.last_hidden_state, want.last_hidden_state, attention_mask) <= ATOL
+    assert (got.pooler_output - want.pooler_output).abs().max().item() <= ATOL
+
+
+def test_unpadding_switched_off_and_skipped_for_attentions(debug_config, batch, monkeypatch):
+    model = BertImplModel(debug_config()).eval()
+    input_ids, attention_mask, _ = batch
+    calls = _spy_unpadding(monkeypatch)
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, output_attentions=True)
+        _plain(model)(input_ids, attention_mask=attention_mask)
+        model(input_ids)  # no padding: nothing to unpad
+    assert calls == []
+    assert out.attentions[0].shape == (13, 4, 7, 7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed rows (DataCollatorWithFlattening): padding-free training
+
+
+def _packed_features(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feats = []
+    for n in lengths:
+        ids = torch.randint(1, VOCAB, (n,), generator=g)
+        labels = torch.where(torch.rand(n, generator=g) < 0.4, ids, torch.full_like(ids, -100))
+        labels[1] = ids[1]  # at least one masked position per sequence
+        feats.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return feats
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_packed_row_equals_each_sequence_alone(debug_config, backend, flash_kwargs, monkeypatch):
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config(attn_implementation=backend)).eval()
+    lengths = [5, 7, 3, 6]
+    feats = _packed_features(lengths)
+    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(feats)
+    assert packed["input_ids"].shape == (1, sum(lengths)) and "attention_mask" not in packed
+    inputs = {k: v for k, v in packed.items() if k != "labels"}
+    calls = _spy_unpadding(monkeypatch)
+    with torch.no_grad():
+        got = model(**inputs).last_hidden_state[0]  # (T, H)
+        assert len(calls) == 1 and calls[0].grid_shape == (4, 7)
+        start = 0
+        for n, f in zip(lengths, feats):
+            alone = model(torch.tensor([f["input_ids"]])).last_hidden_state[0]
+            assert (got[start : start + n] - alone).abs().max().item() <= ATOL, (n, start)
+            start += n
+        # The plain path (unpadding off) keeps sequences apart with a block-diagonal mask instead.
+        plain = _plain(model)(**inputs).last_hidden_state[0]
+    assert (plain - got).abs().max().item() <= ATOL
+
+
+def test_packed_attention_probabilities_never_cross_sequences(debug_config):
+    model = BertImplModel(debug_config(attn_implementation="eager")).eval()
+    packed = DataCollatorWithFlattening()(_packed_features([4, 3]))
+    with torch.no_grad():
+        out = model(packed["input_ids"], position_ids=packed["position_ids"], output_attentions=True)
+    for probs in out.attentions:  # (1, h, 7, 7)
+        assert probs[..., :4, 4:].abs().max().item() == 0.0 and probs[..., 4:, :4].abs().max().item() == 0.0
+        torch.testing.assert_close(probs.sum(-1), torch.ones(1, 4, 7), atol=ATOL, rtol=0)
+
+
+def test_packed_and_padded_batches_give_the_same_loss_and_gradients(debug_config):
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config()).train()
+    twin = copy.deepcopy(model)
+    feats = _packed_features([5, 7, 3, 6], seed=1)
+    packed = DataCollatorWithFlattening()(feats)
+    s = max(len(f["input_ids"]) for f in feats)
+    pad = lambda key, v: [f[key] + [v] * (s - len(f[key])) for f in feats]  # noqa: E731
+    input_ids, labels = torch.tensor(pad("input_ids", 0)), torch.tensor(pad("labels", -100))
+    # the collator writes separator_id (-100) over each sequence's first label, as it must for causal LMs
+    labels[:, 0] = -100
+    attention_mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (s - len(f["input_ids"])) for f in feats])
+    loss_packed = model(**packed).loss
+    loss_padded = twin(input_ids, attention_mask=attention_mask, labels=labels).loss
+    assert abs(loss_packed.item() - loss_padded.item()) <= ATOL
+    loss_packed.backward()
+    loss_padded.backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= ATOL, name
+
+
+def test_trainer_trains_padding_free(debug_config, tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config())
+    feats = _packed_features([5, 7, 3, 6, 4, 7, 2, 5], seed=2)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
+    )
+    before = model.bert.layers[0].attn.Wqkv.weight.detach().clone()
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(feats),
+                      data_collator=DataCollatorWithFlattening())
+    result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(before, model.bert.layers[0].attn.Wqkv.weight)
+
+
+# A flash-attention stand-in that takes exactly what flash_attn_varlen_func takes (tokens + cu_seqlens)
+# and attends within each sequence; it checks the varlen plumbing on a machine without flash-attn.
+def _varlen_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+    assert attention_mask is None and query.size(0) == 1, "varlen takes tokens, not a padded batch"
+    assert torch.equal(cu_seq_lens_q, cu_seq_lens_k) and cu_seq_lens_q.dtype == torch.int32
+    assert max_length_q == max_length_k == int(cu_seq_lens_q.diff().max())
+    out = torch.zeros_like(query)  # (1, h, T, d)
+    for a, b in zip(cu_seq_lens_q[:-1].tolist(), cu_seq_lens_q[1:].tolist()):
+        if b > a:
+            out[:, :, a:b] = F.scaled_dot_product_attention(
+                query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scale=scaling
+            )
+    return out.transpose(1, 2), None  # (1, T, h, d)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_flash_style_varlen_route(debug_config, batch, layout):
+    AttentionInterface.register("flash_varlen_reference", _varlen_reference)
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config()).eval()
+    varlen = copy.deepcopy(model)
+    varlen.config._attn_implementation = "flash_varlen_reference"
+    assert mb._is_flash(varlen.config._attn_implementation)
+    with torch.no_grad():
+        if layout == "padded":
+            input_ids, attention_mask, _ = batch
+            attention_mask = attention_mask.clone()
+            attention_mask[5] = 0  # a zero-length sequence in cu_seqlens
+            got = varlen(input_ids, attention_mask=attention_mask).last_hidden_state
+            want = model(input_ids, attention_mask=attention_mask).last_hidden_state
+            assert _max_diff_real(got, want, attention_mask) <= ATOL
+        else:
+            packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(_packed_features([6, 2, 5]))
+            inputs = {k: v for k, v in packed.items() if k != "labels"}
+            got = varlen(**inputs).last_hidden_state
+            want = model(**inputs).last_hidden_state
+            assert (got - want).abs().max().item() <= ATOL
+
+
+def test_packed_kwargs_that_do_not_fit_raise(debug_config):
+    model = BertImplModel(debug_config()).eval()
+    ids = torch.randint(1, VOCAB, (1, 9))
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q \[0, 4, 8\] must run from 0 to the packed length 9"):
+        model(ids, cu_seq_lens_q=torch.tensor([0, 4, 8], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse MLM prediction
+
+
+def _mlm_batch(batch):
+    input_ids, attention_mask, token_type_ids = batch
+    g = torch.Generator().manual_seed(7)
+    chosen = (torch.rand(input_ids.shape, generator=g) < 0.3) & attention_mask.bool()
+    chosen[0, 0] = True
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+    return input_ids, attention_mask, token_type_ids, labels
+
+
+@pytest.mark.parametrize("num_items_in_batch", [None, 50])
+def test_sparse_prediction_matches_dense(debug_config, batch, num_items_in_batch):
+    torch.manual_seed(0)
+    dense = BertImplForMaskedLM(debug_config()).train()
+    sparse = copy.deepcopy(dense)
+    sparse.config.sparse_prediction = True
+    input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
+    kw = dict(attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels,
+              num_items_in_batch=num_items_in_batch)
+    d, s = dense(input_ids, **kw), sparse(input_ids, **kw)
+    keep = labels.ne(-100)
+    assert d.logits.shape == (13, 7, VOCAB) and s.logits.shape == (int(keep.sum()), VOCAB)
+    assert (s.logits - d.logits[keep]).abs().max().item() <= ATOL  # row i <-> labels[labels != -100][i]
+    assert abs(s.loss.item() - d.loss.item()) <= ATOL
+    d.loss.backward()
+    s.loss.backward()
+    for (name, p), q in zip(dense.named_parameters(), sparse.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= ATOL, name
+    # the hand-computed loss: mean (or sum / num_items_in_batch) of -log p over labelled positions
+    nll = -torch.log_softmax(d.logits[keep].double(), -1).gather(1, labels[keep][:, None]).sum()
+    assert abs(s.loss.item() - (nll / (num_items_in_batch or keep.sum())).item()) <= ATOL
+
+
+def test_sparse_prediction_full_logits_without_labels(debug_config, batch):
+    config = debug_config(sparse_prediction=True)
+    model = BertImplForMaskedLM(config).eval()
+    input_ids, attention_mask, _ = batch
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask)
+    assert out.logits.shape == (13, 7, VOCAB) and out.loss is None
+
+
+def test_sparse_prediction_pretraining_head(debug_config, batch):
+    torch.manual_seed(0)
+    dense = BertImplForPreTraining(debug_config()).eval()
+    sparse = copy.deepcopy(dense)
+    sparse.config.sparse_prediction = True
+    input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
+    nsp = torch.randint(0, 2, (13,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        d = dense(input_ids, attention_mask=attention_mask, labels=labels, next_sentence_label=nsp)
+        s = sparse(input_ids, attention_mask=attention_mask, labels=labels, next_sentence_label=nsp)
+    keep = labels.ne(-100)
+    assert s.prediction_logits.shape == (int(keep.sum()), VOCAB)
+    assert (s.prediction_logits - d.prediction_logits[keep]).abs().max().item() <= ATOL
+    assert abs(s.loss.item() - d.loss.item()) <= ATOL
+    assert torch.equal(s.seq_relationship_logits, d.seq_relationship_logits)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_mlm_labels_of_the_wrong_shape_raise(debug_config, batch, sparse):
+    model = BertImplForMaskedLM(debug_config(sparse_prediction=sparse))
+    input_ids, attention_mask, _ = batch
+    with pytest.raises(ValueError, match=r"labels have shape \(13, 6\) but the input has shape \(13, 7\)"):
+        model(input_ids, attention_mask=attention_mask, labels=input_ids[:, :6])
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean dynamo: no cached graphs, counters at zero (reset() keeps the counters)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+def test_compile_fullgraph_fixed_shape_matches_eager(debug_config, batch, fresh_dynamo):
+    """fullgraph=True turns any graph break into an error; the eager backend keeps the test fast (the
+    graph capture, where breaks happen, is the same for every backend)."""
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config()).eval()
+    input_ids, attention_mask, token_type_ids = batch
+    labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = compiled(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+        want = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+    assert _max_diff_real(got.logits, want.logits, attention_mask) <= ATOL
+    assert abs(got.loss.item() - want.loss.item()) <= ATOL
+    assert fresh_dynamo["stats"]["unique_graphs"] == 1
+    assert not fresh_dynamo["graph_break"]
+
+
+def test_compile_fullgraph_training_step(debug_config, batch, fresh_dynamo):
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config()).train()
+    input_ids, attention_mask, _ = batch
+    labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+    for n, p in model.named_parameters():
+        assert (grads[n] - p.grad).abs().max().item() <= ATOL, n
+    assert not fresh_dynamo["graph_break"]
+
+
+def test_compile_dynamic_does_not_recompile_per_length(debug_config, fresh_dynamo, monkeypatch):
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config()).eval()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for i, (b, s) in enumerate([(3, 5), (4, 9), (2, 12), (5, 3)]):
+            ids = torch.randint(1, VOCAB, (b, s), generator=g)
+            mask = torch.ones(b, s, dtype=torch.long)
+            mask[0, s - 2 :] = 0
+            got = compiled(ids, attention_mask=mask).last_hidden_state
+            want = model(ids, attention_mask=mask).last_hidden_state
+            assert _max_diff_real(got, want, mask) <= ATOL
+            if i == 0:  # any later compile is a recompile: make it an error
+                monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    assert fresh_dynamo["stats"]["unique_graphs"] == 1
