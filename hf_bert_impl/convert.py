@@ -148,6 +148,19 @@ def _lookup(hf_key: str):
     return None
 
 
+def _hf_names(our_key: str) -> str:
+    """Our key -> the transformers key(s) it comes from, for error messages."""
+    for src, dst in HF_TO_BERT_IMPL.items():
+        m = dst and _pattern(dst).match(our_key)
+        if m:
+            return src.format(*m.groups())
+    for fused, parts in JOINED_QKV.items():
+        m = _pattern(fused).match(our_key)
+        if m:
+            return " + ".join(part.format(*m.groups()) for part in parts)
+    return our_key
+
+
 def _layer_index(key: str) -> int | None:
     m = re.search(r"(?:encoder\.layer|layers)\.(\d+)\.", key)
     return int(m.group(1)) if m else None
@@ -196,18 +209,24 @@ def _resolve_source_dir(source: str | Path) -> Path:
         return path
     if path.exists():
         raise ValueError(f"{str(source)!r} is a file, not a checkpoint directory; pass the directory that holds config.json")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     try:
-        from huggingface_hub import snapshot_download
+        validate_repo_id(str(source))
+    except HFValidationError:
+        raise ValueError(f"no such directory: {str(source)!r} (and it is not a Hub id either)") from None
+    try:
 
         patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
         local = Path(snapshot_download(str(source), allow_patterns=patterns))
         if not any((local / f).exists() for f in WEIGHT_FILES[:2]):
             local = Path(snapshot_download(str(source), allow_patterns=[*patterns, "pytorch_model.bin*"]))
         return local
-    except Exception as e:  # offline, unknown repo, invalid id: one actionable message
+    except Exception as e:  # offline, unknown repo, no access: one actionable message
         raise ValueError(
-            f"{str(source)!r} is not a local directory and could not be fetched from the Hub "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass an existing checkpoint directory"
+            f"no such directory: {str(source)!r}, and fetching it as a Hub id failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from e
 
 
@@ -406,7 +425,7 @@ def from_hf_bert(source, model_class: type[BertImplPreTrainedModel] | None = Non
     missing = sorted(k for k in expected if k not in ours and k not in tied_targets)
     unused = sorted(k for k in ours if k not in expected)
     shape_errors = [
-        f"{k}: checkpoint {tuple(ours[k].shape)} vs model {tuple(expected[k].shape)}"
+        f"{_hf_names(k)}: checkpoint {tuple(ours[k].shape)} vs config {tuple(expected[k].shape)}"
         for k in ours if k in expected and ours[k].shape != expected[k].shape
     ]
     if shape_errors:
@@ -415,7 +434,8 @@ def from_hf_bert(source, model_class: type[BertImplPreTrainedModel] | None = Non
     encoder_missing = [k for k in missing if k.startswith("bert.")]
     if encoder_missing or ((missing or unused) and not switching_head):
         raise ValueError(
-            f"checkpoint ({arch}) does not fit {model_class.__name__}: missing keys {missing}, unexpected keys {unused}"
+            f"checkpoint ({arch}) does not fit {model_class.__name__}: missing keys "
+            f"{[_hf_names(k) for k in missing]}, unexpected keys {[_hf_names(k) for k in unused]}"
         )
     if unused:
         logger.warning("from_hf_bert: %s has no use for the %s head weights %s; dropped", model_class.__name__, arch, unused)
