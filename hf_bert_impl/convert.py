@@ -406,14 +406,17 @@ def from_hf_bert(source, model_class: type[BertImplPreTrainedModel] | None = Non
     else:
         raise ValueError(f"source must be a directory, a Hub id or a transformers Bert* model, got {type(source).__name__}")
 
+    if model_class is not None and model_class not in OUR_TO_HF_ARCH:
+        raise ValueError(f"model_class must be one of {[c.__name__ for c in OUR_TO_HF_ARCH]}, got {model_class!r}")
     config = bert_impl_config_from_hf(hf_config)
     ours, dropped = convert_hf_state_dict(hf_state, config.num_hidden_layers, tied=config.tie_word_embeddings)
-    arch = arch or _architecture_of(hf_config, _normalise_hf_keys(hf_state))
+    if arch is None:
+        if model_class is not None and not getattr(hf_config, "architectures", None):
+            arch = OUR_TO_HF_ARCH[model_class]  # an old config that names none: the caller's choice is the claim
+        else:
+            arch = _architecture_of(hf_config, _normalise_hf_keys(hf_state))
     matching = ARCHITECTURES[arch]
-    if model_class is None:
-        model_class = matching
-    elif model_class not in OUR_TO_HF_ARCH:
-        raise ValueError(f"model_class must be one of {[c.__name__ for c in OUR_TO_HF_ARCH]}, got {model_class!r}")
+    model_class = model_class or matching
 
     kwargs = {}
     if model_class is BertImplModel and not any(k.startswith("bert.pooler.") for k in ours):

@@ -250,6 +250,36 @@ def test_to_hf_of_sinusoidal_model_equals_original(cls_name, debug_config):
     assert max(diffs.values()) <= TOL, diffs
 
 
+def test_config_maps_field_by_field_both_ways():
+    """Non-default values in every shared field survive transformers -> ours -> transformers."""
+    from hf_bert_impl.convert import SHARED_CONFIG_FIELDS, bert_impl_config_from_hf, hf_config_from_bert_impl
+
+    theirs = hf_config(
+        "BertForSequenceClassification", hidden_act="gelu_new", hidden_dropout_prob=0.15,
+        attention_probs_dropout_prob=0.05, max_position_embeddings=40, type_vocab_size=3, initializer_range=0.05,
+        layer_norm_eps=1e-7, pad_token_id=5, classifier_dropout=0.3, tie_word_embeddings=False,
+    )
+    ours = bert_impl_config_from_hf(theirs)
+    back = hf_config_from_bert_impl(ours)
+    for field in SHARED_CONFIG_FIELDS:
+        assert getattr(ours, field) == getattr(theirs, field) == getattr(back, field), field
+    for field in ("id2label", "label2id", "num_labels", "problem_type"):
+        assert getattr(ours, field) == getattr(theirs, field) == getattr(back, field), field
+    assert ours.position_embedding_type == "learned" and ours.model_type == "bert_impl"
+    assert back.model_type == "bert"
+
+
+def test_base_model_without_pooler_round_trips(batch):
+    reference = randomised(transformers.BertModel(hf_config(), add_pooling_layer=False))
+    ours = from_hf_bert(reference)
+    assert ours.pooler is None
+    diffs = max_abs_diff(*run_both(reference, ours, inputs_for("BertModel", batch)))
+    assert max(diffs.values()) <= TOL, diffs
+    back = to_hf_bert(ours)
+    assert back.pooler is None
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in reference.state_dict().items())
+
+
 def test_dtype_is_kept():
     reference = hf_model("BertModel").to(torch.bfloat16)
     ours = from_hf_bert(reference)
@@ -278,6 +308,31 @@ def test_legacy_bin_checkpoint_with_gamma_beta_and_buffers(tmp_path, batch):
     ours = from_hf_bert(tmp_path)
     diffs = max_abs_diff(*run_both(reference, ours, inputs_for("BertModel", batch)))
     assert max(diffs.values()) <= TOL, diffs
+
+
+def test_sharded_safetensors_checkpoint(tmp_path, batch):
+    reference = hf_model("BertForMaskedLM", seed=6)
+    reference.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours = from_hf_bert(tmp_path)
+    diffs = max_abs_diff(*run_both(reference, ours, inputs_for("BertForMaskedLM", batch)))
+    assert max(diffs.values()) <= TOL, diffs
+
+
+def test_config_without_architectures(tmp_path):
+    """Old configs name no architectures: a bare encoder is a BertModel; head weights need model_class."""
+    for arch, expected in (("BertModel", hf_bert_impl.BertImplModel), ("BertForMaskedLM", None)):
+        path = tmp_path / arch
+        hf_model(arch).save_pretrained(path)
+        config = json.loads((path / "config.json").read_text())
+        config.pop("architectures")
+        (path / "config.json").write_text(json.dumps(config))
+        if expected is not None:
+            assert type(from_hf_bert(path)) is expected
+        else:
+            with pytest.raises(ValueError, match=r"names no `architectures` and has head weights; pass model_class="):
+                from_hf_bert(path)
+            assert type(from_hf_bert(path, model_class=hf_bert_impl.BertImplForMaskedLM)) is hf_bert_impl.BertImplForMaskedLM
 
 
 def save_hf(tmp_path, arch="BertModel", edit=None, **config_overrides):
