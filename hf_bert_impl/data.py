@@ -1,0 +1,357 @@
+"""Corpus, tokenizer and collator helpers shared by `scripts/pretrain_mlm.py` and `scripts/finetune.py`.
+
+The embedded corpus is the Python Language Reference text that ships with every CPython as
+`pydoc_data.topics` (about 460 KB of English prose, 79 topics such as "with", "class", "import"):
+real prose that needs no download, so the scripts run offline anywhere. Its exact text follows the
+Python version that runs the script.
+
+The embedded labelled task ("word order", for the demo's fine-tuning step) is built from the same
+sentences: label 1 = the sentence as written, label 0 = the same words in a random order (seeded).
+Each sentence appears once, either kept or shuffled, and the train / validation / test splits hold
+disjoint sentences.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import BertTokenizerFast, DataCollatorForLanguageModeling
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+IGNORE_INDEX = -100
+DEFAULT_CORPUS_NAME = (
+    f"embedded default corpus: the Python {sys.version_info.major}.{sys.version_info.minor} "
+    "Language Reference text shipped as pydoc_data.topics"
+)
+
+class UsageError(ValueError):
+    """A problem with the user's input (a file, a column, an option): the scripts print its message as
+    one line and exit with status 2 instead of a traceback."""
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(])")
+_HEADING_RULE = re.compile(r"^[*=\-~^\"]{3,}$")
+
+
+# ----------------------------------------------------------------------------------------------
+# The embedded corpus
+
+
+def default_corpus_documents() -> list[dict]:
+    """The embedded corpus as documents: [{"topic": str, "paragraphs": [str, ...]}], sorted by topic.
+
+    Keeps prose paragraphs only: indented blocks (grammar rules, code examples, notes' bodies),
+    headings and their underlines, and paragraphs without a sentence-like shape are dropped.
+    """
+    from pydoc_data.topics import topics
+
+    documents = []
+    for topic in sorted(topics):
+        paragraphs = []
+        for block in re.split(r"\n\s*\n", topics[topic]):
+            lines = block.split("\n")
+            if any(line.startswith("   ") for line in lines) or any(_HEADING_RULE.match(l.strip()) for l in lines):
+                continue
+            text = " ".join(line.strip() for line in lines).strip()
+            if len(text.split()) >= 6 and text[-1] in ".:;!?)":
+                paragraphs.append(text)
+        if paragraphs:
+            documents.append({"topic": topic, "paragraphs": paragraphs})
+    return documents
+
+
+def split_sentences(paragraph: str) -> list[str]:
+    """A paragraph -> its sentences (split after . ! ? when a capital or quote follows)."""
+    return [s.strip() for s in _SENTENCE_END.split(paragraph) if s.strip()]
+
+
+def default_corpus_dataset() -> datasets.DatasetDict:
+    """The embedded corpus as a DatasetDict with a "text" column, one paragraph per row.
+
+    "validation" holds every 20th topic (whole topics, so no paragraph leaks between splits).
+    """
+    rows = {"train": [], "validation": []}
+    for i, doc in enumerate(default_corpus_documents()):
+        split = "validation" if i % 20 == 7 else "train"
+        rows[split].extend(doc["paragraphs"])
+    return datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in rows.items()})
+
+
+def word_order_task(seed: int = 0, min_words: int = 6, max_words: int = 30) -> datasets.DatasetDict:
+    """The embedded labelled task: columns "sentence" and "label" (1 = original order, 0 = shuffled).
+
+    Every sentence of the corpus with `min_words`..`max_words` words is used once; half of them
+    (chosen with `seed`) have their words permuted, with the permutation re-drawn until it differs
+    from the original. The final full stop is removed from every sentence so that it cannot
+    give the label away; the tokenizer lower-cases, so the capital letter cannot either. Splits
+    80 / 10 / 10 by sentence.
+    """
+    rng = random.Random(seed)
+    sentences = []
+    for doc in default_corpus_documents():
+        for paragraph in doc["paragraphs"]:
+            for s in split_sentences(paragraph):
+                words = s.rstrip(".").split()
+                if min_words <= len(words) <= max_words and len(set(words)) > 1:
+                    sentences.append(words)
+    unique = list(dict.fromkeys(" ".join(w) for w in sentences))
+    rng.shuffle(unique)
+    rows = []
+    for i, text in enumerate(unique):
+        words = text.split()
+        if i % 2 == 0:
+            rows.append({"sentence": text, "label": 1})
+        else:
+            shuffled = words[:]
+            while shuffled == words:
+                rng.shuffle(shuffled)
+            rows.append({"sentence": " ".join(shuffled), "label": 0})
+    n = len(rows)
+    cut1, cut2 = int(0.8 * n), int(0.9 * n)
+    features = datasets.Features(
+        {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["shuffled", "original"])}
+    )
+
+    def make(part):
+        return datasets.Dataset.from_list(part, features=features)
+
+    return datasets.DatasetDict(
+        {"train": make(rows[:cut1]), "validation": make(rows[cut1:cut2]), "test": make(rows[cut2:])}
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def train_wordpiece_tokenizer(texts, vocab_size: int = 8000, min_frequency: int = 2) -> BertTokenizerFast:
+    """A WordPiece tokenizer trained on `texts` with `tokenizers`, BERT's pipeline (lower-casing,
+    accent stripping, punctuation splitting, [CLS] A [SEP] B [SEP]); returned as a
+    `BertTokenizerFast` so `save_pretrained` writes files `AutoTokenizer` loads."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # BertTokenizerFast builds the same normalizer / pre-tokenizer / post-processor from the vocabulary.
+    return BertTokenizerFast(vocab=tok.get_vocab(), do_lower_case=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# MLM examples
+
+
+def tokenize_and_group(dataset, tokenizer, max_seq_length: int, text_column: str = "text", num_proc=None, desc=""):
+    """Tokenize with `datasets.map` (batched, cached), concatenate everything and cut it into blocks
+    of `max_seq_length` tokens: [CLS] + (max_seq_length - 2) corpus tokens + [SEP]. The tail shorter
+    than a block is dropped, as in transformers' run_mlm.py."""
+    body = max_seq_length - 2
+    if body < 1:
+        raise UsageError(f"--max_seq_length must be at least 3 ([CLS] x [SEP]), got {max_seq_length}")
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+
+    def tokenize(batch):
+        return {"ids": tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]}
+
+    def group(batch):
+        flat = [t for ids in batch["ids"] for t in ids]
+        blocks = [flat[i : i + body] for i in range(0, len(flat) - body + 1, body)]
+        input_ids = [[cls_id, *b, sep_id] for b in blocks]
+        return {
+            "input_ids": input_ids,
+            "token_type_ids": [[0] * max_seq_length for _ in blocks],
+            "attention_mask": [[1] * max_seq_length for _ in blocks],
+            "special_tokens_mask": [[1] + [0] * body + [1] for _ in blocks],
+        }
+
+    tokenized = dataset.map(
+        tokenize, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenizing {desc}".strip()
+    )
+    return tokenized.map(
+        group, batched=True, batch_size=1000, remove_columns=["ids"], num_proc=num_proc,
+        desc=f"Grouping {desc} into blocks of {max_seq_length}".strip(),
+    )
+
+
+def nsp_examples(dataset, tokenizer, max_seq_length: int, seed: int, text_column: str = "text"):
+    """BERT's next-sentence pairs. The rows are read as one stream of sentences (consecutive rows of
+    the embedded corpus are consecutive paragraphs of a topic). A is 1-3 sentences; B is the 1-3
+    sentences that follow (next_sentence_label 0) or, with probability 1/2, 1-3 sentences taken at
+    least 20 sentences away (label 1). Pairs are truncated to `max_seq_length` as [CLS] A [SEP] B [SEP]."""
+    rng = random.Random(seed)
+    sents = [s for text in dataset[text_column] for s in split_sentences(text)]
+    if len(sents) < 45:
+        raise UsageError(f"next-sentence prediction needs at least 45 sentences of text, got {len(sents)}")
+    firsts, seconds, labels = [], [], []
+    i = 0
+    while i + 2 <= len(sents):
+        a_len = rng.randint(1, 3)
+        a = sents[i : i + a_len]
+        b_len = rng.randint(1, 3)
+        if rng.random() < 0.5 and i + a_len < len(sents):
+            b, label = sents[i + a_len : i + a_len + b_len], 0
+        else:
+            far = [j for j in (rng.randrange(len(sents)) for _ in range(10)) if abs(j - i) >= 20]
+            j = far[0] if far else (i + len(sents) // 2) % len(sents)
+            b, label = sents[j : j + b_len], 1
+        firsts.append(" ".join(a))
+        seconds.append(" ".join(b))
+        labels.append(label)
+        i += a_len + (len(b) if label == 0 else 0)
+    enc = tokenizer(
+        firsts, seconds, truncation="longest_first", max_length=max_seq_length, return_special_tokens_mask=True
+    )
+    return datasets.Dataset.from_dict({**enc, "next_sentence_label": labels})
+
+
+class MLMCollator:
+    """Masks batches with `DataCollatorForLanguageModeling` (15% of tokens; of those 80% [MASK], 10%
+    random, 10% unchanged; whole words with `whole_word_mask=True`); examples that already carry
+    "labels" (masked once by `mask_once`) are only padded, so evaluation sees the same masks every
+    time and runs that must compare (gradient accumulation, many processes) see the same batches."""
+
+    def __init__(self, tokenizer, mlm_probability: float = 0.15, whole_word_mask: bool = False, pad_to_multiple_of=None):
+        self.tokenizer = tokenizer
+        self.mlm = DataCollatorForLanguageModeling(
+            tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
+
+    def __call__(self, features):
+        if "labels" not in features[0]:
+            return self.mlm(features)
+        labels = [list(f["labels"]) for f in features]
+        rest = [{k: v for k, v in f.items() if k not in ("labels", "special_tokens_mask")} for f in features]
+        batch = self.tokenizer.pad(rest, return_tensors="pt")
+        width = batch["input_ids"].shape[1]
+        batch["labels"] = torch.tensor([l + [IGNORE_INDEX] * (width - len(l)) for l in labels])
+        return batch
+
+
+def mask_once(dataset, tokenizer, seed: int, mlm_probability: float = 0.15, whole_word_mask: bool = False):
+    """Static masking (as the original BERT data pipeline): apply the MLM masking once, with a fixed
+    seed, and store input_ids and labels in the dataset."""
+    collator = DataCollatorForLanguageModeling(
+        tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask, seed=seed, return_tensors="np"
+    )
+
+    def apply(batch):
+        keys = [k for k in batch if k != "labels"]
+        features = [{k: batch[k][i] for k in keys} for i in range(len(batch["input_ids"]))]
+        out = {}
+        # One example at a time: lengths may differ (NSP pairs) and no padding may be stored.
+        for f in features:
+            masked = collator([f])
+            for k in ("input_ids", "labels"):
+                out.setdefault(k, []).append(masked[k][0].tolist())
+        return out
+
+    return dataset.map(apply, batched=True, desc="Masking once (static)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+DATA_FILE_TYPES = {".txt": "text", ".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def load_data_files(train_file=None, validation_file=None, test_file=None) -> datasets.DatasetDict:
+    """Local files -> DatasetDict through `datasets` (txt, csv, json/jsonl, parquet). Raises ValueError
+    naming the file when it is missing, has an unknown extension, cannot be parsed or is empty."""
+    files = {k: v for k, v in (("train", train_file), ("validation", validation_file), ("test", test_file)) if v}
+    loaded = {}
+    for split, path in files.items():
+        p = Path(path)
+        if not p.is_file():
+            raise UsageError(f"--{split}_file {path}: no such file")
+        kind = DATA_FILE_TYPES.get(p.suffix.lower())
+        if kind is None:
+            raise UsageError(f"--{split}_file {path}: unknown extension {p.suffix!r}; use one of {sorted(DATA_FILE_TYPES)}")
+        if p.stat().st_size == 0:
+            raise UsageError(f"--{split}_file {path}: the file is empty")
+        try:
+            ds = datasets.load_dataset(kind, data_files={split: str(p)}, split=split)
+        except Exception as e:  # datasets raises many types for unparsable files; the user needs the file name
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"--{split}_file {path}: cannot be read as {kind}: {first}") from e
+        if len(ds) == 0:
+            raise UsageError(f"--{split}_file {path}: the file holds no rows")
+        loaded[split] = ds
+    return datasets.DatasetDict(loaded)
+
+
+def check_columns(dataset, required, source: str):
+    """Raise ValueError naming `source` when `dataset` lacks one of the `required` columns."""
+    missing = [c for c in required if c not in dataset.column_names]
+    if missing:
+        raise UsageError(f"{source}: missing column(s) {missing}; found {dataset.column_names}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Run outputs: the loss-curve PNG and training_facts.json that `hub.save_model_card` renders
+
+
+def plot_loss_curve(log_history: list[dict], path, title: str = "loss") -> Path:
+    """Training loss per logged step (and evaluation loss where logged) from
+    `trainer.state.log_history`, drawn with matplotlib's Agg backend into `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h and "step" in h]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="training loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="evaluation loss")
+    if not (train or evals):
+        ax.text(0.5, 0.5, "no loss was logged (raise the step count or lower --logging_steps)",
+                ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if train or evals:
+        ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_training_facts(output_dir, *, task, dataset, base_model, hyperparameters, metrics,
+                         loss_curve="loss_curve.png", **extra) -> Path:
+    """`output_dir/training_facts.json`, the facts `hf_bert_impl.hub.save_model_card` puts in the card.
+    Metrics that are not finite numbers (e.g. a perplexity that overflowed) are left out."""
+    import json
+    import math
+
+    clean = {k: float(v) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    facts = {"task": task, "dataset": dataset, "base_model": base_model, "hyperparameters": hyperparameters,
+             "metrics": clean, "loss_curve": loss_curve, **extra}
+    path = Path(output_dir) / "training_facts.json"
+    path.write_text(json.dumps(facts, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    return path
+
+
+def default_logging_steps(training_args, num_update_steps: int | None = None) -> None:
+    """Trainer logs every 500 steps by default, which leaves short runs without a loss curve: when
+    the user kept that default, log about 50 points over the run instead."""
+    if training_args.logging_steps == 500 and training_args.logging_strategy == "steps":
+        steps = training_args.max_steps if training_args.max_steps > 0 else num_update_steps
+        if steps:
+            training_args.logging_steps = max(1, steps // 50)

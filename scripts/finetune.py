@@ -1,0 +1,459 @@
+"""Fine-tune hf-bert-impl's BERT for sequence classification (single sentences or pairs; regression
+when the label is a float) or token classification (NER / POS style) with Trainer.
+
+Copy-paste commands (offline; with no data option the embedded word-order task is used, see
+hf_bert_impl/data.py):
+
+    # the demo's task on a model from scripts/pretrain_mlm.py
+    python scripts/finetune.py --model_name_or_path out/mlm-tiny --output_dir out/cls --num_train_epochs 3 \
+        --per_device_train_batch_size 32 --learning_rate 5e-4 --use_cpu
+
+    # GLUE-style files: columns sentence1/sentence2 (or question/sentence, question1/question2,
+    # premise/hypothesis, sentence, text) and label (int or string classes; float = regression)
+    python scripts/finetune.py --model_name_or_path out/mlm-tiny --output_dir out/mrpc \
+        --train_file train.csv --validation_file dev.csv --test_file test.csv
+
+    # a Hub dataset and metric (needs the Hub; offline the shipped metric module is used)
+    python scripts/finetune.py --model_name_or_path bert-base-uncased --dataset_name nyu-mll/glue \
+        --dataset_config_name mrpc --output_dir out/mrpc --bf16
+
+    # token classification: json/jsonl rows {"tokens": [...], "ner_tags": [...]} (tags: names or ids)
+    python scripts/finetune.py --model_name_or_path out/mlm-tiny --task_type token --train_file ner.jsonl \
+        --output_dir out/ner
+
+    # early stopping (needs evaluation and best-model tracking)
+    python scripts/finetune.py --model_name_or_path out/mlm-tiny --output_dir out/cls --eval_strategy epoch \
+        --save_strategy epoch --load_best_model_at_end --num_train_epochs 20 --early_stopping_patience 2
+
+`--model_name_or_path` takes our checkpoints or a transformers BERT (converted on the fly). Every
+`TrainingArguments` option works (`accelerate launch --multi_gpu ...`, --bf16, --gradient_checkpointing).
+The output directory holds the model in Hub format, the tokenizer, predictions.jsonl (for the test split,
+else the validation split), training_facts.json, loss_curve.png and the model card README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import evaluate
+import numpy as np
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    DataCollatorForTokenClassification,
+    DataCollatorWithPadding,
+    EarlyStoppingCallback,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
+
+import hf_bert_impl
+from hf_bert_impl import BertImplForSequenceClassification, BertImplForTokenClassification
+from hf_bert_impl import data as D
+from hf_bert_impl.metrics import METRIC_PATH
+
+logger = logging.getLogger("finetune")
+
+# GLUE / SuperGLUE column pairs, tried in this order when --sentence1_key is not given.
+SENTENCE_KEYS = [
+    ("sentence1", "sentence2"),
+    ("question", "sentence"),
+    ("question1", "question2"),
+    ("premise", "hypothesis"),
+    ("question", "passage"),
+    ("sentence", None),
+    ("text", None),
+]
+# Trainer's timing numbers: kept out of the model card's metrics.
+BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch")
+TAG_COLUMNS = ("ner_tags", "tags", "pos_tags", "labels", "label")
+EMBEDDED_TASK = (
+    "embedded word-order task (hf_bert_impl.data.word_order_task): sentences of the Python Language Reference, "
+    "label 1 = as written, 0 = words shuffled"
+)
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Our checkpoint (e.g. from pretrain_mlm.py) or a transformers BERT. Required."}
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer; default: the model's."})
+    task_type: str = field(
+        default="auto", metadata={"help": "sequence | token | auto (token when the data has tokens + tags columns)."}
+    )
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "A datasets Hub name (needs the Hub)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration, e.g. a GLUE task."})
+    train_file: str | None = field(default=None, metadata={"help": "csv, json/jsonl or parquet training file."})
+    validation_file: str | None = field(default=None, metadata={"help": "Same formats as --train_file."})
+    test_file: str | None = field(default=None, metadata={"help": "Rows to predict (labels optional)."})
+    sentence1_key: str | None = field(default=None, metadata={"help": "First text column (default: GLUE names)."})
+    sentence2_key: str | None = field(default=None, metadata={"help": "Second text column of a pair (optional)."})
+    label_column: str = field(default="label", metadata={"help": "Label column (sequence classification)."})
+    tokens_column: str = field(default="tokens", metadata={"help": "Column of word lists (token classification)."})
+    tags_column: str | None = field(default=None, metadata={"help": f"Column of tag lists; default: first of {TAG_COLUMNS}."})
+    label_all_tokens: bool = field(
+        default=False, metadata={"help": "Label every WordPiece of a word (default: the first one, others ignored)."}
+    )
+    max_seq_length: int = field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training rows."})
+    early_stopping_patience: int | None = field(
+        default=None, metadata={"help": "Stop after this many evaluations without improvement (needs --load_best_model_at_end)."}
+    )
+    metric: str = field(
+        default="auto",
+        metadata={"help": "auto: evaluate.load('glue', config) for GLUE data when the Hub is reachable, else the shipped module; "
+                          "local: always the shipped module."},
+    )
+
+
+def load_data(data_args: DataArguments, seed: int):
+    """-> (DatasetDict, description, where each split came from for error messages)."""
+    if data_args.dataset_name:
+        raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+        return raw, data_args.dataset_name, {k: f"{data_args.dataset_name} ({k} split)" for k in raw}
+    if data_args.train_file:
+        raw = D.load_data_files(data_args.train_file, data_args.validation_file, data_args.test_file)
+        files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+        return raw, Path(data_args.train_file).name, {k: f"--{k}_file {files[k]}" for k in raw}
+    if data_args.validation_file or data_args.test_file:
+        raise D.UsageError("--validation_file / --test_file need --train_file")
+    raw = D.word_order_task(seed)
+    return raw, EMBEDDED_TASK, {k: f"embedded task ({k} split)" for k in raw}
+
+
+def resolve_task(model_args, data_args, train) -> str:
+    tags = data_args.tags_column or next((c for c in TAG_COLUMNS if c in train.column_names), None)
+    if model_args.task_type == "auto":
+        is_token = data_args.tokens_column in train.column_names and tags is not None and isinstance(
+            train.features[tags], (datasets.Sequence, datasets.List) if hasattr(datasets, "List") else datasets.Sequence
+        )
+        return "token" if is_token else "sequence"
+    if model_args.task_type not in ("sequence", "token"):
+        raise D.UsageError(f"--task_type must be sequence, token or auto, got {model_args.task_type!r}")
+    return model_args.task_type
+
+
+def sentence_keys(data_args, train, source) -> tuple[str, str | None]:
+    if data_args.sentence1_key:
+        D.check_columns(train, [data_args.sentence1_key] + ([data_args.sentence2_key] if data_args.sentence2_key else []), source)
+        return data_args.sentence1_key, data_args.sentence2_key
+    for first, second in SENTENCE_KEYS:
+        if first in train.column_names and (second is None or second in train.column_names):
+            return first, second
+    raise D.UsageError(
+        f"{source}: no text column; expected one of {sorted({k for pair in SENTENCE_KEYS for k in pair if k})} "
+        f"or --sentence1_key, found {train.column_names}"
+    )
+
+
+def label_scheme(train, column: str, source: str):
+    """-> (is_regression, label names or None). ClassLabel keeps its names; float = regression;
+    ints and strings become sorted classes."""
+    feature = train.features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        return False, list(feature.names)
+    values = [v for v in train[column] if v is not None]
+    if not values:
+        raise D.UsageError(f"{source}: column {column!r} holds no labels")
+    if all(isinstance(v, float) for v in values):
+        return True, None
+    if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in values):
+        bad = next(v for v in values if not isinstance(v, (int, str)) or isinstance(v, bool))
+        raise D.UsageError(f"{source}: column {column!r} must hold class names, class ids or floats, got {bad!r}")
+    names = sorted({str(v) for v in values}, key=lambda s: (len(s), s) if s.lstrip("-").isdigit() else (0, s))
+    if len(names) < 2:
+        raise D.UsageError(f"{source}: column {column!r} has a single class {names}; classification needs two or more")
+    return False, names
+
+
+def tag_scheme(train, column: str, source: str):
+    feature = train.features[column]
+    inner = getattr(feature, "feature", None)
+    if isinstance(inner, datasets.ClassLabel):
+        return list(inner.names)
+    try:
+        values = {str(t) for tags in train[column] for t in tags}
+    except TypeError:
+        raise D.UsageError(f"{source}: column {column!r} must hold a list of tags per row") from None
+    return sorted(values, key=lambda s: (len(s), s) if s.lstrip("-").isdigit() else (0, s))
+
+
+def load_model(model_args, model_class, **config_kwargs):
+    """Our checkpoint (from_pretrained) or a transformers BERT (converted, saved to a temporary
+    directory, then loaded like ours so that the new head gets `config_kwargs`)."""
+    source = model_args.model_name_or_path
+    if not source:
+        raise D.UsageError("--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)")
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise D.UsageError(f"--model_name_or_path {source}: cannot load a config: {str(e).splitlines()[0]}") from e
+    if config.model_type == "bert_impl":
+        return model_class.from_pretrained(source, **config_kwargs)
+    if config.model_type == "bert":
+        from hf_bert_impl.convert import from_hf_bert
+
+        with tempfile.TemporaryDirectory() as tmp:
+            from_hf_bert(source, model_class=hf_bert_impl.BertImplModel).save_pretrained(tmp)
+            return model_class.from_pretrained(tmp, **config_kwargs)
+    raise D.UsageError(f"--model_name_or_path {source}: model_type {config.model_type!r} is neither 'bert_impl' nor 'bert'")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the fine-tuning; returns the final metrics (eval_* and, when the test split has labels, test_*)."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        model_args, data_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+    else:
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity_warning()
+    if data_args.early_stopping_patience is not None and not training_args.load_best_model_at_end:
+        raise D.UsageError(
+            "--early_stopping_patience needs --load_best_model_at_end with matching --eval_strategy / --save_strategy"
+        )
+
+    set_seed(training_args.seed)
+    raw, dataset_source, sources = load_data(data_args, training_args.seed)
+    if "train" not in raw:
+        raise D.UsageError(f"{dataset_source}: no train split")
+    train_src = sources["train"]
+    task = resolve_task(model_args, data_args, raw["train"])
+
+    # Check every split's columns and labels before the model or tokenizer is touched.
+    if task == "token":
+        tags_col = data_args.tags_column or next((c for c in TAG_COLUMNS if c in raw["train"].column_names), None)
+        if tags_col is None:
+            raise D.UsageError(f"{train_src}: no tag column; expected one of {list(TAG_COLUMNS)} or --tags_column")
+        for split, ds in raw.items():
+            D.check_columns(ds, [data_args.tokens_column] + ([tags_col] if split != "test" else []), sources[split])
+        label_names = tag_scheme(raw["train"], tags_col, train_src)
+        is_regression = False
+        keys = (data_args.tokens_column, None)
+    else:
+        keys = sentence_keys(data_args, raw["train"], train_src)
+        for split, ds in raw.items():
+            D.check_columns(ds, [k for k in keys if k] + ([data_args.label_column] if split != "test" else []), sources[split])
+        is_regression, label_names = label_scheme(raw["train"], data_args.label_column, train_src)
+        tags_col = None
+    label2id = {name: i for i, name in enumerate(label_names)} if label_names else None
+    label_col = tags_col or data_args.label_column
+    for split, ds in raw.items():
+        if label2id is None or label_col not in ds.column_names or isinstance(ds.features[label_col], datasets.ClassLabel):
+            continue
+        values = {str(t) for tags in ds[label_col] for t in tags} if task == "token" else {str(v) for v in ds[label_col]}
+        unknown = sorted(values - set(label2id))
+        if unknown:
+            raise D.UsageError(f"{sources[split]}: labels {unknown[:5]} do not occur in the training data {label_names}")
+
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path) if (
+        model_args.tokenizer_name or model_args.model_name_or_path) else None
+    if data_args.max_train_samples is not None:
+        raw["train"] = raw["train"].select(range(min(len(raw["train"]), data_args.max_train_samples)))
+
+    if task == "token":
+        model_class = BertImplForTokenClassification
+        config_kwargs = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)), label2id=label2id)
+    else:
+        model_class = BertImplForSequenceClassification
+        config_kwargs = (
+            dict(num_labels=1, problem_type="regression") if is_regression
+            else dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)), label2id=label2id,
+                      problem_type="single_label_classification")
+        )
+    model = load_model(model_args, model_class, **config_kwargs)
+    if tokenizer is None or len(tokenizer) > model.config.vocab_size:
+        raise D.UsageError(
+            f"the tokenizer has {len(tokenizer) if tokenizer else 0} tokens but the model's vocab_size is "
+            f"{model.config.vocab_size}; pass a matching --tokenizer_name"
+        )
+
+    def class_label_names(ds, column):
+        feature = ds.features.get(column)
+        inner = getattr(feature, "feature", feature)
+        return inner.names if isinstance(inner, datasets.ClassLabel) else None
+
+    def preprocess_sequence(batch, names):
+        texts = (batch[keys[0]],) if keys[1] is None else (batch[keys[0]], batch[keys[1]])
+        enc = tokenizer(*texts, truncation=True, max_length=data_args.max_seq_length)
+        if label_col in batch:
+            values = batch[label_col]
+            if is_regression:
+                enc["labels"] = [float(v) for v in values]
+            else:
+                enc["labels"] = [label2id[names[v] if names else str(v)] for v in values]
+        return enc
+
+    def preprocess_tokens(batch, names):
+        enc = tokenizer(batch[keys[0]], is_split_into_words=True, truncation=True, max_length=data_args.max_seq_length)
+        if label_col in batch:
+            all_labels = []
+            for i, tags in enumerate(batch[label_col]):
+                previous, row = None, []
+                for w in enc.word_ids(i):
+                    if w is None:
+                        row.append(D.IGNORE_INDEX)
+                    elif w != previous or data_args.label_all_tokens:
+                        row.append(label2id[names[tags[w]] if names else str(tags[w])])
+                    else:
+                        row.append(D.IGNORE_INDEX)
+                    previous = w
+                all_labels.append(row)
+            enc["labels"] = all_labels
+        return enc
+
+    preprocess = preprocess_tokens if task == "token" else preprocess_sequence
+    with training_args.main_process_first(desc="tokenizing"):
+        encoded = {
+            split: ds.map(preprocess, batched=True, remove_columns=ds.column_names, desc=f"Tokenizing {split}",
+                          fn_kwargs={"names": class_label_names(ds, label_col)})
+            for split, ds in raw.items()
+        }
+
+    metric_name = "local"
+    metric = None
+    if data_args.metric == "auto" and data_args.dataset_name in ("glue", "nyu-mll/glue") and data_args.dataset_config_name \
+            and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+        try:
+            metric, metric_name = evaluate.load("glue", data_args.dataset_config_name), "glue"
+        except Exception as e:  # no network or no such task: the shipped module computes the same numbers
+            logger.warning("evaluate.load('glue', %r) failed (%s); using the shipped metric module", data_args.dataset_config_name, e)
+    if metric is None:
+        metric = evaluate.load(METRIC_PATH, "token_classification" if task == "token" else
+                               "regression" if is_regression else "classification")
+
+    def compute_metrics(eval_pred):
+        logits, labels = eval_pred.predictions, eval_pred.label_ids
+        if task == "token":
+            preds = logits.argmax(-1)
+            keep = labels != D.IGNORE_INDEX
+            return metric.compute(predictions=[p[k].tolist() for p, k in zip(preds, keep)],
+                                  references=[l[k].tolist() for l, k in zip(labels, keep)])
+        preds = logits.reshape(-1) if is_regression else logits.argmax(-1)
+        return metric.compute(predictions=preds.tolist(), references=labels.reshape(-1).tolist())
+
+    collator = DataCollatorForTokenClassification(tokenizer) if task == "token" else DataCollatorWithPadding(tokenizer)
+    D.default_logging_steps(training_args, num_update_steps=None)
+    callbacks = [EarlyStoppingCallback(data_args.early_stopping_patience)] if data_args.early_stopping_patience else []
+    evaluation = encoded.get("validation")
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=encoded["train"],
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
+        data_collator=collator,
+        compute_metrics=compute_metrics,
+        callbacks=callbacks,
+    )
+    if training_args.logging_steps == 500 and training_args.max_steps <= 0:
+        training_args.logging_steps = max(1, int(len(trainer.get_train_dataloader()) * training_args.num_train_epochs
+                                                 / training_args.gradient_accumulation_steps) // 50)
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model()
+    trainer.save_state()
+    trainer.log_metrics("train", train_result.metrics)
+    final = {}
+    if evaluation is not None:
+        final.update(trainer.evaluate())
+        trainer.log_metrics("eval", final)
+    predict_split = "test" if "test" in encoded else "validation" if evaluation is not None else None
+    predictions_file = None
+    if predict_split is not None:
+        output = trainer.predict(encoded[predict_split], metric_key_prefix=predict_split)
+        if predict_split == "test" and "labels" in encoded["test"].column_names:
+            final.update({k: v for k, v in output.metrics.items() if k.startswith("test_")})
+            trainer.log_metrics("test", output.metrics)
+        if trainer.is_world_process_zero():
+            predictions_file = Path(training_args.output_dir) / "predictions.jsonl"
+            write_predictions(predictions_file, raw[predict_split], output.predictions, task, is_regression,
+                              label_names, keys, tokenizer, data_args.max_seq_length)
+            logger.info("wrote %d predictions for the %s split to %s", len(raw[predict_split]), predict_split, predictions_file)
+    trainer.save_metrics("all", final)
+
+    if trainer.is_world_process_zero():
+        out = Path(training_args.output_dir)
+        D.plot_loss_curve(trainer.state.log_history, out / "loss_curve.png", title=f"{type(model).__name__} fine-tuning")
+        D.write_training_facts(
+            out,
+            task="token-classification" if task == "token" else "text-classification",
+            dataset=dataset_source,
+            base_model=model_args.model_name_or_path,
+            hyperparameters={
+                "learning_rate": training_args.learning_rate,
+                "train_batch_size": training_args.per_device_train_batch_size,
+                "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+                "world_size": training_args.world_size,
+                "num_train_epochs": training_args.num_train_epochs if training_args.max_steps <= 0 else None,
+                "max_steps": training_args.max_steps if training_args.max_steps > 0 else trainer.state.global_step,
+                "warmup_steps": training_args.warmup_steps,
+                "weight_decay": training_args.weight_decay,
+                "seed": training_args.seed,
+                "max_seq_length": data_args.max_seq_length,
+                "early_stopping_patience": data_args.early_stopping_patience,
+                "metric": metric_name,
+            },
+            metrics={k: v for k, v in final.items() if not k.endswith(BOOKKEEPING_SUFFIXES)},
+            dataset_config=data_args.dataset_config_name,
+            dataset_split="validation" if evaluation is not None else None,
+            labels=label_names,
+            predictions_file=predictions_file.name if predictions_file else None,
+        )
+        from hf_bert_impl.hub import save_model_card
+
+        save_model_card(out)
+        logger.info("saved the model, tokenizer, predictions, loss curve and model card to %s", out)
+    return final
+
+
+def write_predictions(path, raw_split, predictions, task, is_regression, label_names, keys, tokenizer, max_length):
+    """One JSON object per input row: its index, its text and the prediction (a label name, a float
+    for regression, or one tag per word for token classification; words cut off by truncation get null)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(len(raw_split)):
+            row = {"index": i, keys[0]: raw_split[i][keys[0]]}
+            if keys[1]:
+                row[keys[1]] = raw_split[i][keys[1]]
+            if task == "token":
+                words = raw_split[i][keys[0]]
+                word_ids = tokenizer(words, is_split_into_words=True, truncation=True, max_length=max_length).word_ids()
+                ids = np.asarray(predictions[i]).argmax(-1)
+                tags = [None] * len(words)
+                for pos, w in enumerate(word_ids):
+                    if w is not None and tags[w] is None:  # the first WordPiece of a word carries its tag
+                        tags[w] = label_names[int(ids[pos])]
+                row["prediction"] = tags
+            elif is_regression:
+                row["prediction"] = float(np.asarray(predictions[i]).reshape(-1)[0])
+            else:
+                row["prediction"] = label_names[int(np.argmax(predictions[i]))]
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def cli() -> int:
+    try:
+        main()
+    except D.UsageError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

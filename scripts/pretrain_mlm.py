@@ -1,0 +1,340 @@
+"""Masked-LM (optionally + next-sentence) pretraining of hf-bert-impl's BERT with Trainer.
+
+Copy-paste commands (offline; with no data option the embedded corpus is used, see hf_bert_impl/data.py):
+
+    # a tiny model on the embedded corpus, one CPU, a few minutes
+    python scripts/pretrain_mlm.py --output_dir out/mlm-tiny --model_size tiny --max_steps 600 \
+        --per_device_train_batch_size 32 --learning_rate 1e-3 --warmup_steps 60 --max_seq_length 64 --use_cpu
+
+    # your files (txt: one text per line; csv / json / jsonl / parquet: a "text" column), a BERT tokenizer
+    python scripts/pretrain_mlm.py --output_dir out/mlm --train_file train.txt --validation_file dev.txt \
+        --tokenizer_name bert-base-uncased --model_size small --num_train_epochs 3 --bf16
+
+    # MLM + next-sentence prediction (BertImplForPreTraining), whole-word masking
+    python scripts/pretrain_mlm.py --output_dir out/pt --nsp --whole_word_mask --max_steps 1000
+
+    # continue from a transformers BERT checkpoint, converted on the fly
+    python scripts/pretrain_mlm.py --output_dir out/cont --model_name_or_path bert-base-uncased --max_steps 1000
+
+    # data-parallel over N processes (GPUs; on a CPU-only machine N gloo processes), FSDP, resume
+    accelerate launch --multi_gpu --num_processes 2 scripts/pretrain_mlm.py --output_dir out/ddp --max_steps 600
+    accelerate launch --use_fsdp --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \
+        --fsdp_transformer_layer_cls_to_wrap BertImplLayer --num_processes 2 scripts/pretrain_mlm.py --output_dir out/fsdp
+    python scripts/pretrain_mlm.py --output_dir out/mlm-tiny --max_steps 600 --resume_from_checkpoint true
+
+Every `TrainingArguments` option works (--bf16, --gradient_checkpointing, --torch_compile, --save_steps,
+--eval_strategy ...). The output directory is in Hub format: model.safetensors, config.json with
+auto_map, the two code files, the tokenizer, training_facts.json, loss_curve.png and README.md
+(the model card).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import transformers
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+import hf_bert_impl
+from hf_bert_impl import SIZE_PRESETS, BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining
+from hf_bert_impl import data as D
+
+logger = logging.getLogger("pretrain_mlm")
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Start from this checkpoint: ours (model_type bert_impl) or a transformers BERT (converted on the fly)."},
+    )
+    config_name: str | None = field(default=None, metadata={"help": "A BertImplConfig (directory or config.json) to train from scratch."})
+    model_size: str = field(default="tiny", metadata={"help": f"Size preset when training from scratch: {', '.join(SIZE_PRESETS)}."})
+    config_overrides: str | None = field(
+        default=None,
+        metadata={"help": "Config fields to override, e.g. 'hidden_dropout_prob=0,position_embedding_type=learned'."},
+    )
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "A fast BERT tokenizer (name or path). Default: the model's, else a WordPiece trained on the corpus."}
+    )
+    tokenizer_vocab_size: int = field(default=8000, metadata={"help": "Vocabulary size of the WordPiece tokenizer trained when none is given."})
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "A datasets Hub name (needs the Hub)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
+    train_file: str | None = field(default=None, metadata={"help": "txt, csv, json/jsonl or parquet file of texts."})
+    validation_file: str | None = field(default=None, metadata={"help": "Same formats as --train_file."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the text (csv/json/parquet/Hub data)."})
+    validation_split_percentage: int = field(
+        default=5, metadata={"help": "Percent of the training data held out when no validation split exists."}
+    )
+    max_seq_length: int = field(default=128, metadata={"help": "Block length in tokens, [CLS] and [SEP] included."})
+    mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked (80% [MASK], 10% random, 10% kept)."})
+    whole_word_mask: bool = field(default=False, metadata={"help": "Mask whole words instead of single WordPieces."})
+    static_masking: bool = field(
+        default=False,
+        metadata={"help": "Mask the training data once (seeded) instead of per batch, as the original BERT pipeline did."},
+    )
+    nsp: bool = field(default=False, metadata={"help": "Train BertImplForPreTraining: MLM + next-sentence prediction."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training examples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many evaluation examples."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for datasets.map."})
+
+
+def parse_config_overrides(text: str | None) -> dict:
+    """'a=1,b=0.1,c=learned,d=none' -> {'a': 1, 'b': 0.1, 'c': 'learned', 'd': None}."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        if "=" not in item:
+            raise D.UsageError(f"--config_overrides: {item!r} is not of the form name=value")
+        key, value = (s.strip() for s in item.split("=", 1))
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                pass
+        else:
+            value = {"none": None, "true": True, "false": False}.get(value.lower(), value)
+        out[key] = value
+    return out
+
+
+def load_raw_data(data_args: DataArguments, seed: int):
+    """-> (DatasetDict with "train" and maybe "validation", dataset description for the model card)."""
+    if data_args.dataset_name:
+        import datasets
+
+        raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+        source = data_args.dataset_name
+    elif data_args.train_file:
+        raw = D.load_data_files(data_args.train_file, data_args.validation_file)
+        source = Path(data_args.train_file).name
+    elif data_args.validation_file:
+        raise D.UsageError(f"--validation_file {data_args.validation_file} was given without --train_file")
+    else:
+        return D.default_corpus_dataset(), D.DEFAULT_CORPUS_NAME
+    for split in raw:
+        D.check_columns(raw[split], [data_args.text_column], f"{source} ({split} split)")
+        if split != "train" or not data_args.train_file:
+            continue
+        texts = [t for t in raw[split][data_args.text_column] if isinstance(t, str) and t.strip()]
+        if not texts:
+            raise D.UsageError(f"--train_file {data_args.train_file}: column {data_args.text_column!r} holds no text")
+    if "validation" not in raw and data_args.validation_split_percentage > 0 and len(raw["train"]) >= 20:
+        parts = raw["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=seed)
+        raw["train"], raw["validation"] = parts["train"], parts["test"]
+    return raw, source
+
+
+def load_tokenizer(model_args: ModelArguments, raw, text_column: str, resume_dir: str | None):
+    if model_args.tokenizer_name:
+        return AutoTokenizer.from_pretrained(model_args.tokenizer_name)
+    for candidate in (resume_dir, model_args.model_name_or_path):
+        if candidate and any((Path(candidate) / f).is_file() for f in ("tokenizer.json", "vocab.txt")):
+            return AutoTokenizer.from_pretrained(candidate)
+    if model_args.model_name_or_path and not Path(model_args.model_name_or_path).exists():
+        return AutoTokenizer.from_pretrained(model_args.model_name_or_path)  # a Hub id
+    logger.info("training a WordPiece tokenizer (vocab %d) on the training texts", model_args.tokenizer_vocab_size)
+    texts = [t for t in raw["train"][text_column] if isinstance(t, str)]
+    return D.train_wordpiece_tokenizer(texts, vocab_size=model_args.tokenizer_vocab_size)
+
+
+def build_model(model_args: ModelArguments, tokenizer, nsp: bool):
+    model_class = BertImplForPreTraining if nsp else BertImplForMaskedLM
+    overrides = parse_config_overrides(model_args.config_overrides)
+    try:
+        if model_args.model_name_or_path:
+            source = model_args.model_name_or_path
+            config = AutoConfig.from_pretrained(source)
+            if config.model_type == "bert_impl":
+                model = model_class.from_pretrained(source, **overrides)
+            elif config.model_type == "bert":
+                from hf_bert_impl.convert import from_hf_bert
+
+                model = from_hf_bert(source, model_class=model_class)
+                for key, value in overrides.items():
+                    setattr(model.config, key, value)
+            else:
+                raise D.UsageError(
+                    f"--model_name_or_path {source}: model_type {config.model_type!r} is neither 'bert_impl' nor 'bert'"
+                )
+        else:
+            if model_args.config_name:
+                config = BertImplConfig.from_pretrained(model_args.config_name, **overrides)
+            else:
+                if model_args.model_size not in SIZE_PRESETS:
+                    raise D.UsageError(f"--model_size {model_args.model_size!r}: choose one of {list(SIZE_PRESETS)}")
+                config = BertImplConfig.from_preset(
+                    model_args.model_size, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **overrides
+                )
+            model = model_class(config)
+    except D.UsageError:
+        raise
+    except ValueError as e:  # BertImplConfig's validation names the field and the value
+        raise D.UsageError(str(e).splitlines()[0]) from e
+    if len(tokenizer) > model.config.vocab_size:
+        raise D.UsageError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
+            "pass the model's own tokenizer or a matching --tokenizer_name"
+        )
+    return model
+
+
+def preprocess_logits_for_metrics(logits, labels):
+    """Keep only argmax ids: the full (b, s, V) logits of a whole evaluation set would not fit in memory."""
+    if isinstance(logits, tuple):  # BertImplForPreTraining: (prediction_logits, seq_relationship_logits)
+        return logits[0].argmax(-1), logits[1].argmax(-1)
+    return logits.argmax(-1)
+
+
+def compute_metrics(eval_pred):
+    """masked_accuracy: share of masked positions whose argmax is the original token (+ nsp_accuracy)."""
+    preds, labels = eval_pred.predictions, eval_pred.label_ids
+    metrics = {}
+    if isinstance(preds, tuple):
+        nsp_preds, preds = preds[1], preds[0]
+        labels, nsp_labels = labels if isinstance(labels, tuple) else (labels, None)
+        if nsp_labels is not None:
+            metrics["nsp_accuracy"] = float((nsp_preds.reshape(-1) == nsp_labels.reshape(-1)).mean())
+    mask = labels != D.IGNORE_INDEX
+    metrics["masked_accuracy"] = float((preds[mask] == labels[mask]).mean()) if mask.any() else float("nan")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the pretraining; returns the final evaluation metrics (empty without validation data)."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        model_args, data_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+    else:
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity_warning()
+    if not 0.0 < data_args.mlm_probability < 1.0:
+        raise D.UsageError(f"--mlm_probability must lie in (0, 1), got {data_args.mlm_probability}")
+
+    resume = training_args.resume_from_checkpoint
+    if resume is not None and resume.lower() == "true":
+        resume = get_last_checkpoint(training_args.output_dir)
+        if resume is None:
+            raise D.UsageError(f"--resume_from_checkpoint true: no checkpoint-* directory in {training_args.output_dir}")
+    elif resume is not None and not Path(resume).is_dir():
+        raise D.UsageError(f"--resume_from_checkpoint {resume}: no such directory")
+
+    set_seed(training_args.seed)
+    raw, dataset_source = load_raw_data(data_args, training_args.seed)
+    tokenizer = load_tokenizer(model_args, raw, data_args.text_column, resume)
+
+    with training_args.main_process_first(desc="tokenizing"):
+        if data_args.nsp:
+            splits = {k: D.nsp_examples(v, tokenizer, data_args.max_seq_length, training_args.seed, data_args.text_column)
+                      for k, v in raw.items()}
+        else:
+            splits = {k: D.tokenize_and_group(v, tokenizer, data_args.max_seq_length, data_args.text_column,
+                                              data_args.preprocessing_num_workers, desc=k)
+                      for k, v in raw.items()}
+    train = splits["train"]
+    if len(train) == 0:
+        raise D.UsageError(
+            f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} tokens; "
+            "add text or lower --max_seq_length"
+        )
+    if data_args.max_train_samples is not None:
+        train = train.select(range(min(len(train), data_args.max_train_samples)))
+    evaluation = splits.get("validation")
+    if evaluation is not None and len(evaluation) == 0:
+        evaluation = None
+    if evaluation is not None and data_args.max_eval_samples is not None:
+        evaluation = evaluation.select(range(min(len(evaluation), data_args.max_eval_samples)))
+    # Evaluation masks are drawn once (seeded) so every evaluation of a run scores the same positions.
+    if evaluation is not None:
+        evaluation = D.mask_once(evaluation, tokenizer, training_args.seed + 1, data_args.mlm_probability,
+                                 data_args.whole_word_mask)
+    if data_args.static_masking:
+        train = D.mask_once(train, tokenizer, training_args.seed, data_args.mlm_probability, data_args.whole_word_mask)
+
+    model = build_model(model_args, tokenizer, data_args.nsp)
+    logger.info("model: %s, %.2fM parameters, %d training examples of %d tokens",
+                type(model).__name__, model.num_parameters() / 1e6, len(train), data_args.max_seq_length)
+    D.default_logging_steps(training_args)
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
+        data_collator=D.MLMCollator(tokenizer, data_args.mlm_probability, data_args.whole_word_mask),
+        compute_metrics=compute_metrics if evaluation is not None else None,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics if evaluation is not None else None,
+    )
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()
+    trainer.save_state()
+    metrics = dict(train_result.metrics)
+    trainer.log_metrics("train", metrics)
+    eval_metrics = {}
+    if evaluation is not None:
+        eval_metrics = trainer.evaluate()
+        eval_metrics["perplexity"] = math.exp(eval_metrics["eval_loss"]) if eval_metrics["eval_loss"] < 700 else float("inf")
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
+
+    if trainer.is_world_process_zero():
+        out = Path(training_args.output_dir)
+        D.plot_loss_curve(trainer.state.log_history, out / "loss_curve.png", title=f"{type(model).__name__} pretraining")
+        D.write_training_facts(
+            out,
+            task="fill-mask",
+            dataset=dataset_source,
+            base_model=model_args.model_name_or_path,
+            hyperparameters={
+                "learning_rate": training_args.learning_rate,
+                "train_batch_size": training_args.per_device_train_batch_size,
+                "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+                "world_size": training_args.world_size,
+                "max_steps": training_args.max_steps if training_args.max_steps > 0 else trainer.state.global_step,
+                "num_train_epochs": round(trainer.state.epoch or 0.0, 3),
+                "warmup_steps": training_args.warmup_steps,
+                "weight_decay": training_args.weight_decay,
+                "seed": training_args.seed,
+                "max_seq_length": data_args.max_seq_length,
+                "mlm_probability": data_args.mlm_probability,
+                "whole_word_mask": data_args.whole_word_mask,
+                "next_sentence_prediction": data_args.nsp,
+                "model_size": None if model_args.model_name_or_path or model_args.config_name else model_args.model_size,
+            },
+            metrics={**{k: v for k, v in eval_metrics.items() if k in ("eval_loss", "eval_masked_accuracy", "eval_nsp_accuracy", "perplexity")},
+                     "train_loss": metrics.get("train_loss")},
+            dataset_split="validation" if evaluation is not None else None,
+        )
+        from hf_bert_impl.hub import save_model_card
+
+        save_model_card(out)
+        logger.info("saved the model, tokenizer, loss curve and model card to %s", out)
+    return eval_metrics
+
+
+def cli() -> int:
+    try:
+        main()
+    except D.UsageError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,249 @@
+"""Training through Trainer and accelerate: gradient accumulation, parity with transformers'
+BertForMaskedLM, many processes, resume.
+
+Sizes: the debug flavour (hidden 32, 2 layers, 4 heads, intermediate 37), sequences of 7 (in-process
+runs) or 16 tokens (script runs), a handful of optimizer steps. Tolerances are stated per test."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+from hf_bert_impl import BertImplForMaskedLM
+from hf_bert_impl.data import IGNORE_INDEX, default_corpus_dataset, train_wordpiece_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VOCAB, SEQ = 99, 7
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module, so tests call its main(argv) in this process (no interpreter start-up)."""
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the script's string annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def mlm_rows(n: int, seed: int = 0, learnable: bool = False):
+    """n pre-masked MLM examples of length 7 with 1-5 masked positions each (so micro-batches hold
+    different numbers of masked tokens, which is what makes accumulation non-trivial) and some padding.
+    learnable: each row repeats one token, so a masked token can be read off its neighbours."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, VOCAB, (n, SEQ), generator=g)
+    if learnable:
+        input_ids = input_ids[:, :1].expand(n, SEQ).clone()
+    lengths = SEQ - torch.randint(0, 3, (n,), generator=g)
+    attention_mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
+    labels = torch.full((n, SEQ), IGNORE_INDEX)
+    for i in range(n):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        pos = torch.randperm(int(lengths[i]), generator=g)[:k]
+        labels[i, pos] = input_ids[i, pos]
+        input_ids[i, pos] = 4  # [MASK]
+    input_ids = input_ids * attention_mask
+    return [
+        {"input_ids": input_ids[i], "attention_mask": attention_mask[i], "labels": labels[i]} for i in range(n)
+    ]
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def train(model, rows, tmp_path, **kw):
+    args = dict(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", seed=0, data_seed=0,
+        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    args.update(kw)
+    trainer = Trainer(model=model, args=TrainingArguments(**args), train_dataset=ListDataset(rows),
+                      data_collator=default_data_collator)
+    trainer.train()
+    return trainer
+
+
+def params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_gradient_accumulation_1x8_equals_4x2(debug_config, tmp_path):
+    """Trainer with SGD, 3 optimizer steps: batch 8 x 1 step vs batch 2 x 4 accumulated steps.
+    Tolerance: max |w_a - w_b| <= 1e-6 * max |w_a - w_0| (relative to the update itself, stricter
+    than relative to the weights). Control: with the loss averaged per micro-batch (what a model
+    that ignores num_items_in_batch gets) the same comparison fails by orders of magnitude."""
+    rows = mlm_rows(24)
+    torch.manual_seed(0)
+    base = BertImplForMaskedLM(debug_config(vocab_size=VOCAB))
+    w0 = params(base)
+
+    def run(bs, ga, accepts_loss_kwargs=True, tag=""):
+        model = BertImplForMaskedLM(base.config)
+        model.load_state_dict(base.state_dict())
+        model.accepts_loss_kwargs = accepts_loss_kwargs
+        train(model, rows, tmp_path / f"{bs}x{ga}{tag}", per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+              max_steps=3, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", weight_decay=0.0)
+        return params(model)
+
+    big, acc = run(8, 1), run(2, 4)
+    update = max((big[k] - w0[k]).abs().max().item() for k in w0)
+    diff = max((big[k] - acc[k]).abs().max().item() for k in w0)
+    assert update > 1e-2, f"the runs barely moved the weights (max update {update})"
+    print(f"1x8 vs 4x2: max |weight diff| {diff:.3e}, max |update| {update:.3e}")
+    assert diff <= 1e-6 * update, f"1x8 vs 4x2: max weight difference {diff:.3e}, update {update:.3e}"
+
+    naive = run(2, 4, accepts_loss_kwargs=False, tag="naive")
+    naive_diff = max((big[k] - naive[k]).abs().max().item() for k in w0)
+    print(f"control (per-micro-batch mean): max |weight diff| {naive_diff:.3e}")
+    assert naive_diff > 1e-4 * update, f"control: per-micro-batch means should differ, got {naive_diff:.3e}"
+
+
+def test_loss_curve_matches_transformers_bert_for_masked_lm(debug_config, tmp_path):
+    """Same initial weights (our model converted with to_hf_bert), same data order and Trainer
+    settings (AdamW, linear schedule, seed): the per-step training losses of 20 steps agree within
+    1e-4 absolute. Learned positions, as transformers' BERT has; dropout off (the two models draw
+    their dropout masks in different orders)."""
+    from transformers import BertForMaskedLM
+
+    from hf_bert_impl.convert import to_hf_bert
+
+    rows = mlm_rows(80, seed=1, learnable=True)
+    torch.manual_seed(0)
+    ours = BertImplForMaskedLM(debug_config(vocab_size=VOCAB, position_embedding_type="learned"))
+    theirs = to_hf_bert(ours)
+    assert isinstance(theirs, BertForMaskedLM)
+    kw = dict(per_device_train_batch_size=4, max_steps=20, learning_rate=2e-2, warmup_steps=2, optim="adamw_torch")
+    losses = []
+    for model, tag in ((ours, "ours"), (theirs, "transformers")):
+        trainer = train(model, rows, tmp_path / tag, **kw)
+        losses.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    assert len(losses[0]) == len(losses[1]) == 20
+    worst = max(abs(a - b) for a, b in zip(*losses))
+    print(f"max |loss difference| over 20 steps: {worst:.3e}; range {min(losses[0]):.4f}..{max(losses[0]):.4f}")
+    assert worst <= 1e-4, f"loss curves differ by up to {worst:.3e}:\nours {losses[0]}\ntransformers {losses[1]}"
+    # Not vacuous: the losses move by orders of magnitude more than the tolerance from step to step.
+    assert max(losses[0]) - min(losses[0]) > 0.1, f"a flat loss curve proves little: {losses[0]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Script-level runs: a tokenizer and a text file shared by the tests below
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    """A WordPiece tokenizer (vocab <= 500) trained on the embedded corpus and a 120-paragraph train.txt."""
+    root = tmp_path_factory.mktemp("corpus")
+    texts = default_corpus_dataset()["train"]["text"]
+    tokenizer = train_wordpiece_tokenizer(texts[:300], vocab_size=500)
+    tokenizer.save_pretrained(root / "tokenizer")
+    (root / "train.txt").write_text("\n".join(texts[:120]) + "\n", encoding="utf-8")
+    return root
+
+
+def pretrain_args(corpus_files, out, *extra):
+    return [
+        "--output_dir", str(out), "--train_file", str(corpus_files / "train.txt"),
+        "--tokenizer_name", str(corpus_files / "tokenizer"), "--model_size", "debug", "--max_seq_length", "16",
+        "--use_cpu", "--report_to", "none", "--seed", "3", "--logging_steps", "1", "--disable_tqdm", "true",
+        "--validation_split_percentage", "0", *extra,
+    ]
+
+
+def weights(directory):
+    return load_file(str(Path(directory) / "model.safetensors"))
+
+
+def max_weight_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+def test_resume_from_checkpoint_gives_the_uninterrupted_weights(corpus_files, tmp_path, monkeypatch):
+    """Run A: 6 steps uninterrupted. Run B: the same command dies right after its step-3
+    checkpoint is written (an exception from on_save, as a kill would leave the directory), then
+    the same command with --resume_from_checkpoint true finishes it. Dropout stays on, so data
+    order, optimizer, scheduler and dropout RNG must all be restored. Masking is static
+    (--static_masking): Trainer restores the RNG only after it has fetched the first batch after the
+    resume point, so a collator that masks with the global RNG draws that one batch differently (see
+    the README's training section). Tolerance: max |diff| <= 1e-7 (the same float ops in the same order)."""
+    script = load_script("pretrain_mlm")
+    common = ["--max_steps", "6", "--save_steps", "3", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3",
+              "--static_masking"]
+    script.main(pretrain_args(corpus_files, tmp_path / "full", *common))
+
+    class KillAfterFirstCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            raise _Killed(f"killed after the checkpoint of step {state.global_step}")
+
+    class DyingTrainer(script.Trainer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.add_callback(KillAfterFirstCheckpoint())
+
+    out = tmp_path / "resumed"
+    monkeypatch.setattr(script, "Trainer", DyingTrainer)
+    with pytest.raises(_Killed, match="step 3"):
+        script.main(pretrain_args(corpus_files, out, *common))
+    monkeypatch.undo()
+    assert (out / "checkpoint-3").is_dir() and not (out / "model.safetensors").exists()
+    script.main(pretrain_args(corpus_files, out, *common, "--resume_from_checkpoint", "true"))
+
+    full, resumed = weights(tmp_path / "full"), weights(out)
+    initial_gap = max_weight_diff(full, weights(out / "checkpoint-3"))
+    assert initial_gap > 1e-4, "steps 4-6 changed nothing, the comparison would be empty"
+    print(f"resumed vs uninterrupted: max |weight diff| {max_weight_diff(full, resumed):.3e} (steps 4-6 moved {initial_gap:.3e})")
+    assert max_weight_diff(full, resumed) <= 1e-7
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+
+
+def test_two_gloo_processes_equal_one_process_over_the_same_global_batches(corpus_files, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on CPU (2 gloo processes, per-device batch 2)
+    against one process with batch 4, 3 AdamW steps. Static masking and no dropout make the global
+    batches identical; accelerate hands consecutive per-device batches of the shared random order to
+    the ranks, so rank 0 + rank 1 = the single run's batch. Tolerance: max |diff| <= 1e-5."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1"}
+    common = ["--max_steps", "3", "--save_strategy", "no", "--static_masking", "--learning_rate", "3e-3",
+              "--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+              "--ddp_find_unused_parameters", "false"]
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    multi = subprocess.run(
+        accelerate + [str(REPO_ROOT / "scripts" / "pretrain_mlm.py"),
+                      *pretrain_args(corpus_files, tmp_path / "ddp", *common, "--per_device_train_batch_size", "2")],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    facts = json.loads((tmp_path / "ddp" / "training_facts.json").read_text())
+    assert facts["hyperparameters"]["world_size"] == 2, "accelerate did not start 2 processes"
+
+    load_script("pretrain_mlm").main(
+        pretrain_args(corpus_files, tmp_path / "single", *common, "--per_device_train_batch_size", "4")
+    )
+    a, b = weights(tmp_path / "ddp"), weights(tmp_path / "single")
+    print(f"2 processes vs 1: max |weight diff| {max_weight_diff(a, b):.3e}")
+    assert max_weight_diff(a, b) <= 1e-5
+    # Not vacuous: the 3 steps moved the weights far more than the tolerance (lr 0 = the initial weights).
+    load_script("pretrain_mlm").main(pretrain_args(
+        corpus_files, tmp_path / "init", *[x if x != "3e-3" else "0" for x in common], "--per_device_train_batch_size", "4"
+    ))
+    assert max_weight_diff(b, weights(tmp_path / "init")) > 1e-3
