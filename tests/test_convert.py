@@ -460,6 +460,8 @@ def load_script():
         ("roberta", r"is a 'roberta' checkpoint, not a BERT one"),
         ("truncated", r"model\.safetensors: it is corrupt or truncated"),
         ("to_hf_of_bert", r"--to-hf: .* is a 'bert' checkpoint, not 'bert_impl'"),
+        ("to_hf_truncated", r"model\.safetensors: it is corrupt or truncated"),
+        ("to_hf_missing", r"--to-hf: no such directory: '.*nowhere'"),
         ("both", r"pass exactly one of --from-hf SRC or --to-hf SRC"),
         ("out_not_empty", r"--out .* exists and is not an empty directory"),
     ],
@@ -478,6 +480,13 @@ def test_script_errors_are_one_line_and_exit_2(case, match, tmp_path, capsys):
         (src / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:100])
     elif case == "to_hf_of_bert":
         argv[0] = "--to-hf"
+    elif case == "to_hf_truncated":
+        ours_dir = tmp_path / "ours"
+        from_hf_bert(src).save_pretrained(ours_dir)
+        (ours_dir / "model.safetensors").write_bytes((ours_dir / "model.safetensors").read_bytes()[:1000])
+        argv[:2] = ["--to-hf", str(ours_dir)]
+    elif case == "to_hf_missing":
+        argv[:2] = ["--to-hf", str(tmp_path / "nowhere")]
     elif case == "both":
         argv += ["--to-hf", str(src)]
     elif case == "out_not_empty":
