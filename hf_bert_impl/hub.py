@@ -53,6 +53,7 @@ HEAD_INFO = {
 }
 PIPELINE_TAGS = ("feature-extraction", "fill-mask", "text-classification", "token-classification",
                  "question-answering")
+LOCAL_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".safetensors", ".bin")
 # Trainer bookkeeping that is not a quality measurement: shown in the card's table, kept out of
 # the model-index (the Hub's leaderboards read the model-index).
 BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch", "total_flos", "step")
@@ -111,6 +112,8 @@ def _is_hub_id(value: str) -> bool:
 
     if os.path.isabs(value) or value.startswith(".") or os.path.exists(value) or value.count("/") > 1:
         return False
+    if value.lower().endswith(LOCAL_FILE_SUFFIXES):  # "ner.jsonl" is a valid repo name but a local file
+        return False
     try:
         validate_repo_id(value)
     except HFValidationError:
@@ -168,7 +171,7 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
     if base_model is None:
         base_model_text = "none (trained from scratch)" if "base_model" in facts else NOT_RECORDED
     else:
-        base_model_text = f"`{base_model}` (a transformers BERT checkpoint converted with `hf_bert_impl.convert.from_hf_bert`)"
+        base_model_text = f"`{base_model}`" + (" (on the Hub)" if base_model_id else " (a local checkpoint)")
     metrics = facts.get("metrics") or {}
     loss_curve = facts.get("loss_curve")
     if loss_curve and not (model_dir / loss_curve).is_file():
@@ -177,12 +180,14 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
     model_name = repo_id.split("/")[-1] if repo_id else model_dir.resolve().name
     eval_results = None
     if dataset and metrics:
+        # model-index wants a dataset id as the type; data that is not on the Hub is typed "local"
+        dataset_type = dataset if _is_hub_id(dataset) else "local"
         eval_results = [
-            EvalResult(task_type=task, dataset_type=dataset, dataset_name=dataset, metric_type=_metric_id(name),
+            EvalResult(task_type=task, dataset_type=dataset_type, dataset_name=dataset, metric_type=_metric_id(name),
                        metric_name=name, metric_value=value,
                        dataset_config=facts.get("dataset_config"), dataset_split=facts.get("dataset_split"))
             for name, value in metrics.items()
-            if not name.endswith(BOOKKEEPING_SUFFIXES)
+            if not name.endswith(BOOKKEEPING_SUFFIXES) and not name.startswith("train_")
         ] or None
 
     card_data = ModelCardData(
@@ -207,16 +212,26 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
         auto_class=auto_class,
         task=task or NOT_RECORDED,
         pipeline_tag=pipeline_tag,
+        pipeline_available=pipeline_tag in _transformers_pipelines(),
         num_parameters=_num_parameters(model_dir),
         base_model_text=base_model_text,
         dataset_text=_dataset_text(facts),
-        hyperparameters=sorted((k, _fmt(v)) for k, v in (facts.get("hyperparameters") or {}).items()),
+        # a None hyperparameter was not used by that run (e.g. epochs when max_steps ruled)
+        hyperparameters=sorted((k, _fmt(v)) for k, v in (facts.get("hyperparameters") or {}).items() if v is not None),
+        labels=", ".join(map(str, facts["labels"])) if isinstance(facts.get("labels"), list) else None,
         metrics=[(k, _fmt(v)) for k, v in metrics.items()],
         loss_curve=loss_curve,
         **{k: config.get(k, NOT_RECORDED) for k in (
             "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
             "max_position_embeddings", "position_embedding_type")},
     )
+
+
+def _transformers_pipelines() -> list[str]:
+    """Tasks this transformers has a pipeline for (5.x dropped question-answering, for one)."""
+    from transformers.pipelines import get_supported_tasks
+
+    return get_supported_tasks()
 
 
 def _dataset_text(facts: dict) -> str:

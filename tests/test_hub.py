@@ -4,10 +4,24 @@ The card tests render cards from a saved debug model plus a `training_facts.json
 training scripts write, and read them back with `huggingface_hub.ModelCard`.
 """
 
+import hashlib
+import importlib.util
 import json
+import os
 import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+import urllib.request
+from pathlib import Path
 
 import pytest
+import torch
+from .conftest import REPO_ROOT, run_without_package
 
 from hf_bert_impl.hub import NOT_RECORDED, build_model_card, save_model_card, validate_model_card
 
@@ -78,6 +92,32 @@ def test_card_results_match_recorded_metrics(saved_mlm):
     assert 'from_pretrained("someone/bert-impl-mlm", trust_remote_code=True)' in card.text
 
 
+def test_card_from_a_fine_tuning_run_on_local_data(saved_mlm):
+    """Facts as `hf_bert_impl.data.write_training_facts` writes them after a fine-tuning run on a
+    local file, initialised from a local checkpoint: nothing local is passed off as a Hub id, and
+    training loss stays out of the evaluation results."""
+    from huggingface_hub import ModelCard
+
+    from hf_bert_impl.data import write_training_facts
+
+    write_training_facts(
+        saved_mlm, task="token-classification", dataset="ner.jsonl", base_model=str(saved_mlm.parent / "mlm-pretrained"),
+        hyperparameters={"learning_rate": 3e-5, "num_train_epochs": None, "max_steps": 40},
+        metrics={"eval_f1": 0.8125, "eval_accuracy": 0.9, "train_loss": 0.31, "eval_bad": float("inf")},
+        loss_curve=None, labels=["O", "B-PER", "I-PER"], dataset_split="validation")
+    card = ModelCard.load(save_model_card(saved_mlm))
+    validate_model_card(card)
+    data = card.data
+    assert data.pipeline_tag == "token-classification"
+    assert "base_model" not in data.to_dict() and "datasets" not in data.to_dict()
+    assert {r.metric_name: r.metric_value for r in data.eval_results} == {"eval_f1": 0.8125, "eval_accuracy": 0.9}
+    assert {(r.dataset_type, r.dataset_name, r.dataset_split) for r in data.eval_results} == {("local", "ner.jsonl", "validation")}
+    assert "| train_loss | 0.31 |" in card.text and "eval_bad" not in card.text
+    assert "| num_train_epochs |" not in card.text and "| max_steps | 40 |" in card.text
+    assert "- Labels: O, B-PER, I-PER" in card.text and "(a local checkpoint)" in card.text
+    assert "## Loss curve\n\nnot recorded" in card.text
+
+
 @pytest.mark.parametrize(
     "facts, message",
     [
@@ -99,3 +139,460 @@ def test_card_refuses_a_directory_that_is_not_bert_impl(tmp_path):
         build_model_card(tmp_path)
     with pytest.raises(ValueError, match="has no config.json"):
         build_model_card(tmp_path / "nowhere")
+
+
+# ============================================================================================
+# Push: the --dry-run folder, the upload half (fake Hub endpoints), Trainer's push, and the
+# download half through a real Hub-compatible server (olah) in a process without hf_bert_impl.
+
+OLAH_CLI = REPO_ROOT / ".venv-olah" / "bin" / "olah-cli"
+OWNER = "owner"
+ID2LABEL = {"cls": {0: "negative", 1: "neutral", 2: "positive"},
+            "tok": {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}}
+HEADS = {"mlm": "BertImplForMaskedLM", "cls": "BertImplForSequenceClassification",
+         "tok": "BertImplForTokenClassification", "qa": "BertImplForQuestionAnswering", "base": "BertImplModel"}
+TEXT = "The quick brown fox jumps over the lazy dog in Paris."
+MASKED = "The quick brown [MASK] jumps over the lazy dog."
+QUESTION, CONTEXT = "Where does the fox live?", "The fox lives in a small den near Paris with its family."
+UPLOAD = ["README.md", "config.json", "configuration_bert_impl.py", "loss_curve.png", "model.safetensors",
+          "modeling_bert_impl.py", "tokenizer.json", "tokenizer_config.json"]
+
+
+def _push_script():
+    spec = importlib.util.spec_from_file_location("push_to_hub_script", REPO_ROOT / "scripts" / "push_to_hub.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _files(folder: Path) -> dict:
+    """relative path -> sha256 of every file under `folder`."""
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class FakeHub:
+    """Stands in for the Hub's network endpoints, and nothing else: `HfApi.whoami`, `create_repo`,
+    `create_branch`, `upload_folder` and `ModelCard.validate` (the Hub's YAML check). `upload_folder`
+    selects files with huggingface_hub's own pattern filter and the defaults it adds, records the
+    call and copies exactly those files to `received/<repo_id>`, as the Hub would store them."""
+
+    def __init__(self, root: Path):
+        self.root, self.calls, self.uploads = root, [], {}
+
+    def install(self, mp):
+        from huggingface_hub import HfApi, ModelCard
+        from huggingface_hub.hf_api import DEFAULT_IGNORE_PATTERNS, RepoUrl
+        from huggingface_hub.utils import filter_repo_objects
+
+        hub = self
+
+        def whoami(api, token=None, **kwargs):
+            hub.calls.append(("whoami",))
+            return {"name": OWNER, "orgs": [{"name": "some-org"}]}
+
+        def create_repo(api, repo_id, **kwargs):
+            hub.calls.append(("create_repo", repo_id, kwargs.get("private")))
+            return RepoUrl(f"https://huggingface.co/{repo_id}", endpoint="https://huggingface.co")
+
+        def create_branch(api, repo_id, *, branch, **kwargs):
+            hub.calls.append(("create_branch", repo_id, branch))
+
+        def upload_folder(api, *, repo_id, folder_path, path_in_repo=None, allow_patterns=None,
+                          ignore_patterns=None, revision=None, commit_message=None, **kwargs):
+            folder = Path(folder_path)
+            ignore = ([ignore_patterns] if isinstance(ignore_patterns, str) else list(ignore_patterns or []))
+            names = [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file()]
+            names = list(filter_repo_objects(names, allow_patterns=allow_patterns,
+                                             ignore_patterns=ignore + DEFAULT_IGNORE_PATTERNS))
+            dest = hub.root / repo_id
+            shutil.rmtree(dest, ignore_errors=True)
+            for name in names:
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(folder / name, dest / name)
+            hub.calls.append(("upload_folder", repo_id, revision, commit_message, path_in_repo))
+            hub.uploads[repo_id] = dest
+            return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0000000")
+
+        def validate(card, repo_type=None):
+            hub.calls.append(("validate_card",))
+
+        mp.setattr(HfApi, "whoami", whoami)
+        mp.setattr(HfApi, "create_repo", create_repo)
+        mp.setattr(HfApi, "create_branch", create_branch)
+        mp.setattr(HfApi, "upload_folder", upload_folder)
+        mp.setattr(ModelCard, "validate", validate)
+        return self
+
+
+@pytest.fixture(scope="module")
+def hub_setup(tmp_path_factory, minilm_dir):
+    """Five tiny heads (debug sizes, MiniLM's WordPiece vocabulary so that pipelines run), each
+    saved with the tokenizer, plus each one's --dry-run folder. The MLM directory also carries the
+    training facts and a loss curve, as the training scripts leave them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+    from transformers import AutoTokenizer
+
+    import hf_bert_impl
+
+    root = tmp_path_factory.mktemp("hub")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    models, dirs, uploads = {}, {}, {}
+    push = _push_script()
+    for i, (name, cls_name) in enumerate(HEADS.items()):
+        torch.manual_seed(i)
+        extra = {"id2label": ID2LABEL[name], "label2id": {v: k for k, v in ID2LABEL[name].items()}} if name in ID2LABEL else {}
+        config = hf_bert_impl.BertImplConfig.from_preset(
+            "debug", vocab_size=tokenizer.vocab_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+        model = getattr(hf_bert_impl, cls_name)(config).eval()
+        dirs[name] = root / "models" / name
+        model.save_pretrained(dirs[name])
+        tokenizer.save_pretrained(dirs[name])
+        models[name] = model
+        if name == "mlm":
+            (dirs[name] / "training_facts.json").write_text(json.dumps(FACTS))
+            fig, ax = plt.subplots(figsize=(2, 2))
+            ax.plot([5.0, 4.6, 4.1])
+            fig.savefig(dirs[name] / "loss_curve.png")
+            plt.close(fig)
+        uploads[name] = root / "upload" / name
+        assert push.main(["--model-dir", str(dirs[name]), "--repo-id", f"{OWNER}/{name}", "--dry-run", str(uploads[name])]) == 0
+    return types.SimpleNamespace(root=root, tokenizer=tokenizer, models=models, dirs=dirs, uploads=uploads, push=push)
+
+
+def test_dry_run_folder_is_exactly_the_hub_repository(hub_setup):
+    from huggingface_hub import ModelCard
+
+    from hf_bert_impl import AUTO_MAP
+
+    folder = hub_setup.uploads["mlm"]
+    assert sorted(_files(folder)) == UPLOAD
+    # the other heads have no loss curve recorded, so no image travels
+    assert sorted(_files(hub_setup.uploads["cls"])) == [n for n in UPLOAD if n != "loss_curve.png"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "bert_impl" and config["auto_map"] == AUTO_MAP
+    assert config["architectures"] == ["BertImplForMaskedLM"]
+    for name in ("configuration_bert_impl.py", "modeling_bert_impl.py"):
+        assert (folder / name).read_bytes() == (REPO_ROOT / "hf_bert_impl" / name).read_bytes()
+    card = ModelCard.load(folder / "README.md")
+    validate_model_card(card)
+    assert {r.metric_name: r.metric_value for r in card.data.eval_results} == {
+        "eval_loss": FACTS["metrics"]["eval_loss"], "perplexity": FACTS["metrics"]["perplexity"]}
+    assert 'AutoModelForMaskedLM.from_pretrained("owner/mlm", trust_remote_code=True)' in card.text
+
+
+def test_upload_half_hands_huggingface_hub_exactly_the_dry_run_folder(hub_setup, tmp_path, monkeypatch, capsys):
+    hub = FakeHub(tmp_path / "received").install(monkeypatch)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_faked_endpoints")
+    argv = ["--model-dir", str(hub_setup.dirs["mlm"]), "--repo-id", f"{OWNER}/mlm", "--private",
+            "--revision", "v1", "--commit-message", "tiny MLM"]
+    assert hub_setup.push.main(argv) == 0
+    assert "pushed to https://huggingface.co/owner/mlm/commit/" in capsys.readouterr().out
+    # login checked first, the Hub's card check before the repository is touched, one upload
+    assert hub.calls == [("whoami",), ("validate_card",), ("create_repo", "owner/mlm", True),
+                         ("create_branch", "owner/mlm", "v1"), ("upload_folder", "owner/mlm", "v1", "tiny MLM", None)]
+    assert _files(hub.uploads["owner/mlm"]) == _files(hub_setup.uploads["mlm"])  # same names, same bytes
+
+
+def test_rejected_token_or_foreign_owner_stops_before_upload(hub_setup, tmp_path, monkeypatch, capsys):
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    hub = FakeHub(tmp_path / "received").install(monkeypatch)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_faked_endpoints")
+    argv = ["--model-dir", str(hub_setup.dirs["cls"]), "--repo-id"]
+    assert hub_setup.push.main(argv + ["stranger/cls"]) == 2
+    assert capsys.readouterr().err == (
+        "push_to_hub.py: error: logged in as 'owner', who cannot write to 'stranger'; "
+        "pushable owners: ['owner', 'some-org']\n")
+
+    def rejected(api, token=None, **kwargs):
+        request = httpx2.Request("GET", "https://huggingface.co/api/whoami-v2")
+        raise HfHubHTTPError("Invalid credentials", response=httpx2.Response(401, request=request))
+
+    monkeypatch.setattr(HfApi, "whoami", rejected)
+    assert hub_setup.push.main(argv + ["owner/cls"]) == 2
+    assert "the Hugging Face token was rejected (401): log in with `hf auth login`" in capsys.readouterr().err
+    assert hub.calls == [("whoami",)] and not hub.uploads
+
+
+@pytest.mark.parametrize("repo_id", ["bert-impl-mlm", "owner/name/extra", "owner/bad name", "owner/-name", "owner/na--me", "/name"])
+def test_malformed_repo_id_is_refused_before_anything(hub_setup, repo_id, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert hub_setup.push.main(["--model-dir", str(hub_setup.dirs["cls"]), "--repo-id", repo_id, "--dry-run", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("push_to_hub.py: error: repo id ") and repr(repo_id) in err and "malformed" in err
+    assert not out.exists()
+
+
+def test_bad_model_dirs_are_refused_with_the_reason(hub_setup, tmp_path, capsys):
+    import torch
+
+    src = hub_setup.dirs["cls"]
+
+    def variant(name, drop=(), add=None):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        for f in drop:
+            (d / f).unlink()
+        if add:
+            add(d)
+        return d
+
+    cases = {
+        "no config": (variant("a", drop=["config.json"]), "has no config.json"),
+        "pickled weights": (variant("b", drop=["model.safetensors"], add=lambda d: torch.save({}, d / "pytorch_model.bin")),
+                            "holds weights in 'pytorch_model.bin', which is not safetensors"),
+        "no weights": (variant("c", drop=["model.safetensors"]), "has no model.safetensors"),
+        "no tokenizer": (variant("d", drop=["tokenizer.json", "tokenizer_config.json"]), "has no tokenizer"),
+        "missing dir": (tmp_path / "nowhere", "is not a directory"),
+    }
+    for case, (model_dir, message) in cases.items():
+        code = hub_setup.push.main(["--model-dir", str(model_dir), "--repo-id", "owner/x", "--dry-run", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, f"{case}: {err!r}"
+    assert not (tmp_path / "o").exists()
+
+
+def test_not_logged_in_says_how_to_log_in(hub_setup, tmp_path):
+    """A fresh process with an empty HF_HOME and no HF_TOKEN: the token check fails before any
+    request (HF_HUB_OFFLINE=1 stays set, so a request would fail loudly instead)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "push_to_hub.py"), "--model-dir", str(hub_setup.dirs["cls"]),
+         "--repo-id", "owner/x"], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "push_to_hub.py: error: not logged in to the Hugging Face Hub: log in with `hf auth login` (or set HF_TOKEN "
+        "to a write token from https://huggingface.co/settings/tokens); --dry-run OUT needs no token")
+
+
+@pytest.fixture(scope="module")
+def trainer_upload(hub_setup, tmp_path_factory):
+    """`Trainer(push_to_hub=True, hub_model_id=...)` on our sequence classifier: two training
+    steps, then `trainer.push_to_hub()`, against the same fake endpoints."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    import hf_bert_impl
+
+    root = tmp_path_factory.mktemp("trainer")
+    model = hf_bert_impl.BertImplForSequenceClassification.from_pretrained(hub_setup.dirs["cls"])
+    enc = hub_setup.tokenizer([TEXT, MASKED, QUESTION, CONTEXT] * 2, padding="max_length", max_length=16, truncation=True)
+    data = [{"input_ids": torch.tensor(enc["input_ids"][i]), "attention_mask": torch.tensor(enc["attention_mask"][i]),
+             "labels": torch.tensor(i % 3)} for i in range(8)]
+    args = TrainingArguments(output_dir=str(root / "out"), push_to_hub=True, hub_model_id=f"{OWNER}/trainer-cls",
+                             max_steps=2, per_device_train_batch_size=4, save_strategy="no", report_to=[],
+                             use_cpu=True, disable_tqdm=True, learning_rate=1e-3)
+    with pytest.MonkeyPatch.context() as mp:
+        hub = FakeHub(root / "received").install(mp)
+        trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=hub_setup.tokenizer)
+        trainer.train()
+        trainer.push_to_hub()
+    return types.SimpleNamespace(hub=hub, folder=hub.uploads[f"{OWNER}/trainer-cls"], model=trainer.model.eval())
+
+
+def test_trainer_push_to_hub_uploads_a_loadable_remote_code_repository(trainer_upload):
+    from hf_bert_impl import AUTO_MAP
+
+    # Trainer's own card (README.md) and its pickled TrainingArguments travel too; the weights are
+    # safetensors and nothing else is pickled.
+    assert sorted(_files(trainer_upload.folder)) == [
+        "README.md", "config.json", "configuration_bert_impl.py", "model.safetensors", "modeling_bert_impl.py",
+        "tokenizer.json", "tokenizer_config.json", "training_args.bin"]
+    config = json.loads((trainer_upload.folder / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["BertImplForSequenceClassification"]
+    assert [c[0] for c in trainer_upload.hub.calls] == ["create_repo", "upload_folder"]
+    # the loading itself is checked through the Hub server in test_load_back_through_a_hub_server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _git_commit(folder: Path):
+    git = ["git", "-c", "user.name=hub-test", "-c", "user.email=hub-test@localhost", "-c", "commit.gpgsign=false"]
+    for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "upload"]):
+        subprocess.run(git + cmd, cwd=folder, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def hub_server(hub_setup, trainer_upload, tmp_path_factory):
+    """olah, a Hub-compatible server, on 127.0.0.1 in offline mode, serving every --dry-run folder
+    and Trainer's upload from its local git mirror directory (`<mirrors>/models/<owner>/<name>`,
+    read from olah's `server_mirror.py`); stopped by its PID at teardown."""
+    if not OLAH_CLI.is_file():
+        pytest.fail(f"{OLAH_CLI} is missing: run `bash scripts/setup_env.sh`, which installs olah into .venv-olah")
+    root = tmp_path_factory.mktemp("olah")
+    repos = {f"{OWNER}/{name}": folder for name, folder in hub_setup.uploads.items()}
+    repos[f"{OWNER}/trainer-cls"] = trainer_upload.folder
+    for repo_id, folder in repos.items():
+        shutil.copytree(folder, root / "mirrors" / "models" / repo_id)
+        _git_commit(root / "mirrors" / "models" / repo_id)
+    port = _free_port()
+    (root / "olah.toml").write_text(
+        "[basic]\n"
+        f'host = "127.0.0.1"\nport = {port}\n'
+        f'repos-path = "{root / "cache"}"\nmirrors-path = ["{root / "mirrors"}"]\n'
+        f'mirror-netloc = "127.0.0.1:{port}"\nmirror-lfs-netloc = "127.0.0.1:{port}"\n'
+        "[accessibility]\noffline = true\n"
+    )
+    log = open(root / "olah.log", "wb")
+    server = subprocess.Popen([str(OLAH_CLI), "-c", str(root / "olah.toml"), "--log-path", str(root / "logs")],
+                              cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, never a proxy
+        deadline = time.monotonic() + 60
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"olah exited with {server.returncode}:\n{(root / 'olah.log').read_text()[-3000:]}")
+            try:
+                with opener.open(f"{url}/api/models/{OWNER}/mlm/revision/main", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"olah did not answer within 60 s:\n{(root / 'olah.log').read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield types.SimpleNamespace(url=url, root=root)
+    finally:
+        os.kill(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.kill(server.pid, signal.SIGKILL)
+            server.wait(timeout=15)
+        log.close()
+
+
+LOAD_HEADS = {"mlm": "AutoModelForMaskedLM", "cls": "AutoModelForSequenceClassification",
+              "trainer-cls": "AutoModelForSequenceClassification", "tok": "AutoModelForTokenClassification",
+              "qa": "AutoModelForQuestionAnswering", "base": "AutoModel"}
+
+CLIENT = r"""
+import json, torch, transformers
+from pathlib import Path
+from huggingface_hub import snapshot_download
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+OUT = Path(%(out)r)
+models = {}
+for name, auto in %(heads)r.items():
+    models[name] = getattr(transformers, auto).from_pretrained("owner/" + name, trust_remote_code=True).eval()
+# By repo id, AutoTokenizer lists the repository's optional chat-template folder, which olah answers
+# with 401 instead of 404; the tokenizer therefore comes from a snapshot downloaded from the server.
+tokenizer = AutoTokenizer.from_pretrained(snapshot_download("owner/mlm"), trust_remote_code=True)
+%(run)s
+(OUT / "modules.json").write_text(json.dumps({n: type(m).__module__ + "." + type(m).__name__ for n, m in models.items()}))
+save_file(run_heads(models, tokenizer), OUT / "outputs.safetensors")
+(OUT / "pipelines.json").write_text(json.dumps(run_pipelines(models, tokenizer)))
+"""
+
+# Runs identically in the package-free client and in this process, on the Hub copies and on the
+# local models respectively.
+RUN = r"""
+def run_heads(models, tokenizer):
+    import torch
+    batch = tokenizer([%(text)r, %(masked)r], padding=True, return_tensors="pt")
+    out = {}
+    with torch.no_grad():
+        for name, model in models.items():
+            o = model(**batch)
+            if name == "base":
+                out[name] = o.last_hidden_state
+            elif name == "qa":
+                out[name] = torch.stack([o.start_logits, o.end_logits])
+            else:
+                out[name] = o.logits
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def answer_span(model, tokenizer):
+    import torch
+    inputs = tokenizer(%(question)r, %(context)r, return_tensors="pt")
+    with torch.no_grad():
+        out = model(**inputs)
+    start, end = out.start_logits.argmax(-1).item(), out.end_logits.argmax(-1).item()
+    return {"start": start, "end": end, "answer": tokenizer.decode(inputs["input_ids"][0, start : end + 1]),
+            "start_logits": out.start_logits[0].tolist()}
+
+
+def run_pipelines(models, tokenizer):
+    from transformers import pipeline
+    def pipe(task, name):
+        return pipeline(task, model=models[name], tokenizer=tokenizer, device="cpu")
+    results = {
+        "fill-mask": pipe("fill-mask", "mlm")(%(masked)r, top_k=3),
+        "text-classification": pipe("text-classification", "cls")(%(text)r, top_k=None),
+        "trainer-text-classification": pipe("text-classification", "trainer-cls")(%(text)r, top_k=None),
+        "token-classification": pipe("token-classification", "tok")(%(text)r),
+        # transformers 5 has no question-answering pipeline (pipelines.REMOVED_TASKS); the span the
+        # card's snippet decodes stands in for it
+        "question-answering": answer_span(models["qa"], tokenizer),
+        "feature-extraction": pipe("feature-extraction", "base")(%(text)r),
+    }
+    import json
+    return json.loads(json.dumps(results, default=lambda numpy_scalar: numpy_scalar.item()))
+""" % dict(text=TEXT, masked=MASKED, question=QUESTION, context=CONTEXT)
+
+
+def _assert_same(hub, local, where="output"):
+    """Equal structure and values; floats (pipeline scores) within 1e-6 absolute."""
+    if isinstance(local, float):
+        assert hub == pytest.approx(local, abs=1e-6, rel=0), f"{where}: {hub} != {local}"
+    elif isinstance(local, dict):
+        assert sorted(hub) == sorted(local), f"{where}: keys {sorted(hub)} != {sorted(local)}"
+        for key in local:
+            _assert_same(hub[key], local[key], f"{where}.{key}")
+    elif isinstance(local, (list, tuple)):
+        assert len(hub) == len(local), f"{where}: length {len(hub)} != {len(local)}"
+        for i, (h, l) in enumerate(zip(hub, local)):
+            _assert_same(h, l, f"{where}[{i}]")
+    else:
+        assert hub == local, f"{where}: {hub!r} != {local!r}"
+
+
+def test_load_back_through_a_hub_server(hub_setup, trainer_upload, hub_server, tmp_path):
+    """By repo id through olah, with an empty HF_HOME, in a process that cannot import hf_bert_impl:
+    every pushed head (and Trainer's push) loads with trust_remote_code=True and gives outputs
+    bit-identical to the local model; the five pipelines give the local pipelines' results."""
+    from safetensors.torch import load_file
+
+    code = CLIENT % dict(out=str(tmp_path), heads=LOAD_HEADS, run=RUN)
+    proc = run_without_package(code, cwd=tmp_path, timeout=300, env_extra={
+        "HF_ENDPOINT": hub_server.url, "HF_HOME": str(tmp_path / "empty_hf_home"), "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    for name, head in LOAD_HEADS.items():
+        # the class came from the repository's code (transformers_modules.owner.<name>.<commit>...)
+        assert modules[name].startswith(f"transformers_modules.{OWNER}.") and modules[name].endswith(
+            HEADS.get(name, "BertImplForSequenceClassification")), modules[name]
+
+    namespace = {}
+    exec(RUN, namespace)
+    local_models = {**hub_setup.models, "trainer-cls": trainer_upload.model}
+    local_models = {name: local_models[name] for name in LOAD_HEADS}
+    hub_out, local_out = load_file(tmp_path / "outputs.safetensors"), namespace["run_heads"](local_models, hub_setup.tokenizer)
+    assert sorted(hub_out) == sorted(local_out)
+    for name in local_out:
+        assert torch.equal(hub_out[name], local_out[name]), f"{name}: max |diff| {(hub_out[name] - local_out[name]).abs().max()}"
+
+    hub_pipes = json.loads((tmp_path / "pipelines.json").read_text())
+    local_pipes = namespace["run_pipelines"](local_models, hub_setup.tokenizer)
+    _assert_same(hub_pipes, local_pipes, "pipelines")
+    assert len(hub_pipes["fill-mask"]) == 3 and all("[MASK]" not in r["sequence"] for r in hub_pipes["fill-mask"])
+    assert {r["label"] for r in hub_pipes["text-classification"]} == set(ID2LABEL["cls"].values())
+    assert torch.equal(torch.tensor(hub_pipes["feature-extraction"][0]), local_out["base"][0, : len(hub_pipes["feature-extraction"][0])])
