@@ -203,7 +203,9 @@ def hf_config_from_bert_impl(config: BertImplConfig) -> BertConfig:
 # Reading checkpoints
 
 
-def _resolve_source_dir(source: str | Path) -> Path:
+def resolve_source_dir(source: str | Path) -> Path:
+    """A local checkpoint directory as given, or a Hub id downloaded (safetensors preferred; the
+    `.bin` weights only when the repository has no safetensors)."""
     path = Path(source)
     if path.is_dir():
         return path
@@ -217,7 +219,6 @@ def _resolve_source_dir(source: str | Path) -> Path:
     except HFValidationError:
         raise ValueError(f"no such directory: {str(source)!r} (and it is not a Hub id either)") from None
     try:
-
         patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
         local = Path(snapshot_download(str(source), allow_patterns=patterns))
         if not any((local / f).exists() for f in WEIGHT_FILES[:2]):
@@ -399,7 +400,7 @@ def from_hf_bert(source, model_class: type[BertImplPreTrainedModel] | None = Non
     elif isinstance(source, nn.Module):
         raise ValueError(f"expected a transformers Bert* model, got {type(source).__name__}")
     elif isinstance(source, (str, Path)):
-        directory = _resolve_source_dir(source)
+        directory = resolve_source_dir(source)
         hf_config = read_hf_config(directory)
         hf_state = read_hf_state_dict(directory)
         arch = None
@@ -523,6 +524,7 @@ __all__ = [
     "bert_impl_config_from_hf",
     "hf_config_from_bert_impl",
     "read_hf_config",
+    "resolve_source_dir",
     "read_hf_state_dict",
     "convert_hf_state_dict",
 ]

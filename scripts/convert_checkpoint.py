@@ -91,10 +91,10 @@ def main(argv=None) -> int:
             raise ValueError(f"--out {args.out!r} exists and is not an empty directory; choose a new path")
 
         import hf_bert_impl
-        from hf_bert_impl.convert import _resolve_source_dir, from_hf_bert, to_hf_bert
+        from hf_bert_impl.convert import from_hf_bert, resolve_source_dir, to_hf_bert
 
         if args.from_hf is not None:
-            source_dir = _resolve_source_dir(args.from_hf)
+            source_dir = resolve_source_dir(args.from_hf)
             model_class = None
             if args.model_class is not None:
                 model_class = getattr(hf_bert_impl, args.model_class, None)
