@@ -145,7 +145,7 @@ def test_card_refuses_a_directory_that_is_not_bert_impl(tmp_path):
 # Push: the --dry-run folder, the upload half (fake Hub endpoints), Trainer's push, and the
 # download half through a real Hub-compatible server (olah) in a process without hf_bert_impl.
 
-OLAH_CLI = REPO_ROOT / ".venv-olah" / "bin" / "olah-cli"
+OLAH_CLI = Path(os.environ.get("OLAH_VENV", REPO_ROOT / ".venv-olah")) / "bin" / "olah-cli"  # scripts/setup_env.sh
 OWNER = "owner"
 ID2LABEL = {"cls": {0: "negative", 1: "neutral", 2: "positive"},
             "tok": {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}}
@@ -266,6 +266,7 @@ def hub_setup(tmp_path_factory, minilm_dir):
 
 def test_dry_run_folder_is_exactly_the_hub_repository(hub_setup):
     from huggingface_hub import ModelCard
+    from safetensors.torch import load_file
 
     from hf_bert_impl import AUTO_MAP
 
@@ -273,6 +274,8 @@ def test_dry_run_folder_is_exactly_the_hub_repository(hub_setup):
     assert sorted(_files(folder)) == UPLOAD
     # the other heads have no loss curve recorded, so no image travels
     assert sorted(_files(hub_setup.uploads["cls"])) == [n for n in UPLOAD if n != "loss_curve.png"]
+    local, pushed = load_file(hub_setup.dirs["mlm"] / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert sorted(local) == sorted(pushed) and all(torch.equal(local[k], pushed[k]) for k in local)
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "bert_impl" and config["auto_map"] == AUTO_MAP
     assert config["architectures"] == ["BertImplForMaskedLM"]
@@ -357,6 +360,9 @@ def test_bad_model_dirs_are_refused_with_the_reason(hub_setup, tmp_path, capsys)
         err = capsys.readouterr().err
         assert code == 2 and message in err and err.count("\n") == 1, f"{case}: {err!r}"
     assert not (tmp_path / "o").exists()
+    # the dry-run folder must hold exactly the upload, so a non-empty one is refused
+    assert hub_setup.push.main(["--model-dir", str(src), "--repo-id", "owner/x", "--dry-run", str(src)]) == 2
+    assert f"output folder {str(src)!r} is not empty" in capsys.readouterr().err
 
 
 def test_not_logged_in_says_how_to_log_in(hub_setup, tmp_path):
