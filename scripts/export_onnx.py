@@ -1,0 +1,175 @@
+"""Export a saved bert_impl checkpoint to ONNX (torch's dynamo exporter) and prove it in onnxruntime.
+
+    python scripts/export_onnx.py --model my-bert                          # -> my-bert/model.onnx (+ .onnx.data)
+    python scripts/export_onnx.py --model my-bert --out /tmp/bert.onnx --check_lengths 8 64 --atol 1e-4
+    python scripts/export_onnx.py --model my-bert --no_check               # export only
+
+The batch and sequence dimensions are dynamic (torch.export.Dim); the sequence may be as long as
+config.max_position_embeddings. The head is the one in config.json's `architectures`. After the
+export the script runs the ONNX file in onnxruntime and the model in torch on padded random
+batches at each of --check_lengths and fails (exit 1) if any output differs by more than --atol:
+every position against torch's padded path (the graph that is exported: unpadding has
+data-dependent shapes), and the real (unpadded) tokens against torch's default path, which
+returns zeros at padding positions where the exported graph, like transformers, returns values.
+Needs the `test` extra (onnx, onnxscript, onnxruntime): pip install -e '.[test]'.
+"""
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import HfArgumentParser
+
+import hf_bert_impl
+from hf_bert_impl import BertImplConfig, BertImplForMultipleChoice
+
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+
+
+@dataclass
+class ExportArguments:
+    model: str = field(metadata={"help": "directory of a saved bert_impl checkpoint (save_pretrained output)"})
+    out: str | None = field(default=None, metadata={"help": "ONNX file to write (default: <model>/model.onnx)"})
+    opset: int = field(default=18, metadata={"help": "ONNX opset version"})
+    check_lengths: list[int] = field(default_factory=lambda: [8, 32], metadata={"help": "sequence lengths to check"})
+    check_batch: int = field(default=3, metadata={"help": "batch size of the check inputs"})
+    atol: float = field(default=1e-4, metadata={"help": "largest absolute difference accepted (fp32)"})
+    no_check: bool = field(default=False, metadata={"help": "skip the onnxruntime check"})
+
+
+def load_model(model_dir: str) -> torch.nn.Module:
+    """The head named in config.json's `architectures` (BertImplModel when there is none), in eval mode."""
+    config = BertImplConfig.from_pretrained(model_dir)
+    name = (config.architectures or ["BertImplModel"])[0]
+    cls = getattr(hf_bert_impl, name, None)
+    if cls is None or name not in hf_bert_impl.__all__:
+        raise ValueError(f"config.json of {model_dir} names architecture {name!r}, which is not a bert_impl class")
+    return cls.from_pretrained(model_dir).eval()
+
+
+def sample_inputs(model, batch: int, seq: int, seed: int = 0) -> dict:
+    """Padded random inputs: row 0 full length, the others shorter (at least one token), two segments."""
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    lengths = torch.randint(1, seq + 1, (batch,), generator=g)
+    lengths[0] = seq
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()  # (b, s)
+    ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g) * mask
+    types = (torch.arange(seq)[None, :] >= seq // 2).long().expand(batch, seq) % config.type_vocab_size * mask
+    inputs = dict(input_ids=ids, attention_mask=mask, token_type_ids=types.contiguous())
+    if isinstance(model, BertImplForMultipleChoice):  # (b, c, s): two choices per example
+        inputs = {k: torch.stack([v, v.roll(1, dims=0)], dim=1) for k, v in inputs.items()}
+    return inputs
+
+
+def dynamic_shapes(model) -> dict:
+    """Batch and sequence free (choices too for multiple choice); the sequence up to the position table."""
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("sequence", min=1, max=model.config.max_position_embeddings)
+    if isinstance(model, BertImplForMultipleChoice):
+        dims = {0: batch, 1: torch.export.Dim("choices", min=1, max=64), 2: seq}
+    else:
+        dims = {0: batch, 1: seq}
+    return {name: dims for name in INPUT_NAMES}
+
+
+@contextlib.contextmanager
+def padded_path(model):
+    """Run `model` on its padded path (config.unpad_inputs=False), the one torch.export traces."""
+    before = getattr(model.config, "unpad_inputs", None)
+    model.config.unpad_inputs = False
+    try:
+        yield model
+    finally:
+        if before is None:
+            del model.config.unpad_inputs
+        else:
+            model.config.unpad_inputs = before
+
+
+def output_names(model, inputs) -> list[str]:
+    with torch.no_grad():
+        return list(model(**inputs).keys())  # the ModelOutput fields that are not None, in order
+
+
+def export_onnx(model, path: str, opset: int = 18) -> list[str]:
+    """Write `path` (weights in `path`.data beside it); returns the output names."""
+    inputs = sample_inputs(model, batch=3, seq=7)
+    names = output_names(model, inputs)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with padded_path(model):
+        torch.onnx.export(
+            model, (), path, kwargs=inputs, dynamic_shapes=dynamic_shapes(model), input_names=list(INPUT_NAMES),
+            output_names=names, opset_version=opset, dynamo=True, verbose=False,
+        )
+    return names
+
+
+def check_onnx(model, path: str, lengths, batch: int = 3) -> list[dict]:
+    """Run the ONNX file in onnxruntime and the model in torch on the same inputs at each length.
+    Returns one row per (length, output): the largest absolute difference over every position against
+    torch's padded path (`max_abs_diff`), and over the real tokens against the default path
+    (`real_token_diff`; per-token outputs keep only unmasked positions)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rows = []
+    for i, seq in enumerate(lengths):
+        inputs = sample_inputs(model, batch, seq, seed=100 + i)
+        real = inputs["attention_mask"].bool()
+        with torch.no_grad(), padded_path(model):
+            padded = model(**inputs)
+        with torch.no_grad():
+            default = model(**inputs)
+        got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+        for (name, ref), ref_default, out in zip(padded.items(), default.values(), got, strict=True):
+            out = torch.from_numpy(out)
+            per_token = out.dim() >= real.dim() and out.shape[: real.dim()] == real.shape
+            pick = (lambda t: t[real]) if per_token else (lambda t: t)
+            rows.append(dict(
+                sequence=seq, batch=batch, output=name, shape=tuple(out.shape),
+                max_abs_diff=(out - ref).abs().max().item(),
+                real_token_diff=(pick(out) - pick(ref_default)).abs().max().item(),
+            ))
+    return rows
+
+
+def main(argv=None) -> int:
+    (args,) = HfArgumentParser(ExportArguments).parse_args_into_dataclasses(args=argv)
+    if not os.path.isdir(args.model):
+        print(f"export_onnx: error: --model {args.model!r} is not a directory", file=sys.stderr)
+        return 2
+    if not args.no_check and (not args.check_lengths or min(args.check_lengths) < 1):
+        print(f"export_onnx: error: --check_lengths needs positive lengths, got {args.check_lengths}", file=sys.stderr)
+        return 2
+    try:
+        model = load_model(args.model)
+        longest = model.config.max_position_embeddings
+        if not args.no_check and max(args.check_lengths) > longest:
+            raise ValueError(f"--check_lengths {args.check_lengths} exceed max_position_embeddings={longest}")
+        out = args.out or os.path.join(args.model, "model.onnx")
+        names = export_onnx(model, out, args.opset)
+    except (ValueError, OSError) as e:
+        print(f"export_onnx: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({type(model).__name__}; inputs {list(INPUT_NAMES)}, outputs {names})")
+    if args.no_check:
+        return 0
+    rows = check_onnx(model, out, args.check_lengths, args.check_batch)
+    for r in rows:
+        print(
+            f"  seq {r['sequence']:>4}  batch {r['batch']}  {r['output']:<24} {str(r['shape']):<14} max |onnx - torch| "
+            f"all positions {r['max_abs_diff']:.3e}, real tokens vs default path {r['real_token_diff']:.3e}"
+        )
+    worst = max(max(r["max_abs_diff"], r["real_token_diff"]) for r in rows)
+    if not worst <= args.atol:  # NaN fails too
+        print(f"export_onnx: error: onnxruntime differs from torch by {worst:.3e} > --atol {args.atol}", file=sys.stderr)
+        return 1
+    print(f"onnxruntime matches torch: max abs diff {worst:.3e} <= {args.atol}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Export with proof: torch.export with dynamic batch and sequence, ONNX checked in onnxruntime.
+
+The exported graph is the model's padded path (unpadding has data-dependent shapes), so outputs are
+compared at every position with torch's padded path (`config.unpad_inputs=False`) and at the real
+tokens with the default path (which writes zeros at padding positions). Tolerances: 1e-5 for
+torch.export (the same kernels), 1e-4 for onnxruntime (the issue's fp32 bound).
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_bert_impl import BertImplForMaskedLM, BertImplForSequenceClassification, BertImplModel
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+_spec = importlib.util.spec_from_file_location("export_onnx", REPO_ROOT / "scripts" / "export_onnx.py")
+export_onnx = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(export_onnx)
+
+MAX_POS = 64
+
+def make(cls, debug_config, position):
+    torch.manual_seed(0)
+    return cls(debug_config(position_embedding_type=position, max_position_embeddings=MAX_POS)).eval()
+
+
+def assert_matches(model, run, inputs, atol):
+    """`run(inputs)` (the exported program) against torch's padded path at every position and against
+    the default path at the real tokens."""
+    real = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got = run(inputs)
+        with export_onnx.padded_path(model):
+            padded = model(**inputs)
+        default = model(**inputs)
+    assert list(got.keys()) == list(padded.keys())
+    for name, out in got.items():
+        torch.testing.assert_close(out, padded[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+        per_token = out.shape[:2] == real.shape
+        pick = (lambda t: t[real]) if per_token else (lambda t: t)
+        torch.testing.assert_close(pick(out), pick(default[name]), atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "cls,position",
+    [(BertImplModel, "sinusoidal"), (BertImplModel, "learned"), (BertImplForSequenceClassification, "sinusoidal"),
+     (BertImplForMaskedLM, "learned")],
+    ids=lambda v: getattr(v, "__name__", v),
+)
+def test_torch_export_dynamic_batch_and_sequence(cls, position, debug_config):
+    model = make(cls, debug_config, position)
+    seen = []
+    model.base_model.embeddings.register_forward_pre_hook(lambda *_: seen.append(torch.compiler.is_compiling()))
+    ep = torch.export.export(
+        model, (), kwargs=export_onnx.sample_inputs(model, 13, 7), dynamic_shapes=export_onnx.dynamic_shapes(model)
+    )
+    # The data-dependent input checks (and the sinusoidal table's length check) see compiling=True...
+    assert seen and all(seen), seen
+    # ...so the graph has no data-dependent scalar read.
+    ops = {str(node.target) for node in ep.graph.nodes if node.op == "call_function"}
+    assert not ops & {"aten.item.default", "aten._local_scalar_dense.default"}, ops
+    # Batch and sequence stayed symbolic: other shapes, longer than the traced 7, run and agree.
+    assert len(ep.range_constraints) >= 2
+    exported = ep.module()
+    for b, s in [(1, 1), (2, 5), (6, 40), (3, MAX_POS)]:
+        assert_matches(model, lambda x: exported(**x), export_onnx.sample_inputs(model, b, s, seed=s), atol=1e-5)
+    # Past the position table the exported program refuses (eager sinusoidal would extend the table).
+    with pytest.raises(Exception, match=f"<= {MAX_POS}"):
+        exported(**export_onnx.sample_inputs(model, 2, MAX_POS + 1))
+
+
+def test_input_checks_must_be_skipped_under_export(debug_config, monkeypatch):
+    """Why the checks are skipped: run under export, their int(tensor.max()) is data-dependent."""
+    model = make(BertImplModel, debug_config, "sinusoidal")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    with pytest.raises(Exception, match="data-dependent"):
+        torch.export.export(
+            model, (), kwargs=export_onnx.sample_inputs(model, 3, 7), dynamic_shapes=export_onnx.dynamic_shapes(model)
+        )
+
+
+@pytest.mark.parametrize(
+    "cls,position",
+    [(BertImplModel, "sinusoidal"), (BertImplForMaskedLM, "sinusoidal")],  # the command test does a learned classifier
+    ids=lambda v: getattr(v, "__name__", v),
+)
+def test_onnx_export_matches_onnxruntime_at_two_lengths(cls, position, debug_config, tmp_path):
+    import onnx
+
+    model = make(cls, debug_config, position)
+    path = str(tmp_path / "model.onnx")
+    names = export_onnx.export_onnx(model, path)
+    onnx.checker.check_model(path)
+    graph = onnx.load(path, load_external_data=False).graph
+    assert [i.name for i in graph.input] == list(export_onnx.INPUT_NAMES) and [o.name for o in graph.output] == names
+    # Both input dims are symbolic in the file, not the traced 3 x 7.
+    for i in graph.input:
+        assert all(d.dim_param and not d.dim_value for d in i.type.tensor_type.shape.dim), i
+    rows = export_onnx.check_onnx(model, path, lengths=[5, 23], batch=4)
+    assert {r["sequence"] for r in rows} == {5, 23} and {r["output"] for r in rows} == set(names)
+    for r in rows:
+        assert r["max_abs_diff"] <= 1e-4 and r["real_token_diff"] <= 1e-4, r
+        print(f"{cls.__name__} {position} seq {r['sequence']} {r['output']}: all {r['max_abs_diff']:.2e} real {r['real_token_diff']:.2e}")
+
+
+def test_export_onnx_command(debug_config, tmp_path, capsys, minilm_dir):
+    model = make(BertImplForSequenceClassification, debug_config, "learned")
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "exported" / "cls.onnx"
+    assert export_onnx.main(["--model", str(tmp_path / "ckpt"), "--out", str(out), "--check_lengths", "4", "17"]) == 0
+    printed = capsys.readouterr().out
+    assert out.is_file() and "onnxruntime matches torch" in printed and "BertImplForSequenceClassification" in printed
+    # Errors are one line and a non-zero exit code.
+    assert export_onnx.main(["--model", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert export_onnx.main(["--model", str(minilm_dir), "--out", str(tmp_path / "x.onnx")]) == 2
+    assert "convert_checkpoint.py --from-hf" in capsys.readouterr().err
+    assert export_onnx.main(["--model", str(tmp_path / "ckpt"), "--check_lengths", str(MAX_POS + 1)]) == 2
+    assert "exceed max_position_embeddings" in capsys.readouterr().err
+    assert not (tmp_path / "x.onnx").exists()
