@@ -158,11 +158,17 @@ UPLOAD = ["README.md", "config.json", "configuration_bert_impl.py", "loss_curve.
           "modeling_bert_impl.py", "tokenizer.json", "tokenizer_config.json"]
 
 
-def _push_script():
-    spec = importlib.util.spec_from_file_location("push_to_hub_script", REPO_ROOT / "scripts" / "push_to_hub.py")
+def _load_script(name: str):
+    """scripts/<name>.py as a module, to call its main(argv) in this process."""
+    spec = importlib.util.spec_from_file_location(f"_hub_test_script_{name}", REPO_ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def _push_script():
+    return _load_script("push_to_hub")
 
 
 def _files(folder: Path) -> dict:
@@ -602,3 +608,25 @@ def test_load_back_through_a_hub_server(hub_setup, trainer_upload, hub_server, t
     assert len(hub_pipes["fill-mask"]) == 3 and all("[MASK]" not in r["sequence"] for r in hub_pipes["fill-mask"])
     assert {r["label"] for r in hub_pipes["text-classification"]} == set(ID2LABEL["cls"].values())
     assert torch.equal(torch.tensor(hub_pipes["feature-extraction"][0]), local_out["base"][0, : len(hub_pipes["feature-extraction"][0])])
+
+
+def test_pretraining_run_to_upload_folder(tmp_path):
+    """scripts/pretrain_mlm.py (3 steps, debug size, embedded corpus) then push_to_hub.py --dry-run:
+    the folder holds the Hub files and none of Trainer's run files, and the card's evaluation
+    results are, bit for bit, the ones Trainer wrote to eval_results.json."""
+    from huggingface_hub import ModelCard
+
+    run = tmp_path / "run"
+    _load_script("pretrain_mlm").main([
+        "--output_dir", str(run), "--model_size", "debug", "--max_steps", "3", "--per_device_train_batch_size", "8",
+        "--max_seq_length", "32", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true"])
+    upload = tmp_path / "upload"
+    assert _push_script().main(["--model-dir", str(run), "--repo-id", "owner/mlm-run", "--dry-run", str(upload)]) == 0
+    assert sorted(_files(upload)) == UPLOAD  # no checkpoint-*, training_args.bin, trainer_state.json, *_results.json
+    card = ModelCard.load(upload / "README.md")
+    validate_model_card(card)
+    recorded = json.loads((run / "eval_results.json").read_text())
+    results = {r.metric_name: r.metric_value for r in card.data.eval_results}
+    assert results == {k: recorded[k] for k in ("eval_loss", "eval_masked_accuracy", "perplexity")}
+    assert {r.dataset_type for r in card.data.eval_results} == {"local"}  # the embedded corpus is not on the Hub
+    assert card.data.pipeline_tag == "fill-mask" and "![training loss curve](loss_curve.png)" in card.text
