@@ -41,6 +41,8 @@ TAGS = ["bert", "bert_impl", "hf-bert-impl", "custom_code"]
 
 # Head -> (Auto class that loads it, task). The task doubles as the Hub `pipeline_tag` where the
 # Hub has one; NSP and multiple choice have no pipeline, so their cards carry no pipeline_tag.
+# PreTraining checkpoints are tagged fill-mask (as Google's BERT is) but their output has no
+# `logits`, so the fill-mask pipeline runs on the MLM head loaded from them (PIPELINE_HEAD).
 HEAD_INFO = {
     "BertImplModel": ("AutoModel", "feature-extraction"),
     "BertImplForMaskedLM": ("AutoModelForMaskedLM", "fill-mask"),
@@ -51,6 +53,7 @@ HEAD_INFO = {
     "BertImplForQuestionAnswering": ("AutoModelForQuestionAnswering", "question-answering"),
     "BertImplForMultipleChoice": ("AutoModelForMultipleChoice", "multiple-choice"),
 }
+PIPELINE_HEAD = {"BertImplForPreTraining": "AutoModelForMaskedLM"}
 PIPELINE_TAGS = ("feature-extraction", "fill-mask", "text-classification", "token-classification",
                  "question-answering")
 LOCAL_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".safetensors", ".bin")
@@ -210,6 +213,7 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
         repo_id=repo_id or f"./{model_dir.resolve().name}",
         architecture=architecture,
         auto_class=auto_class,
+        pipeline_auto_class=PIPELINE_HEAD.get(architecture, auto_class),
         task=task or NOT_RECORDED,
         pipeline_tag=pipeline_tag,
         pipeline_available=pipeline_tag in _transformers_pipelines(),

@@ -149,7 +149,7 @@ OLAH_CLI = Path(os.environ.get("OLAH_VENV", REPO_ROOT / ".venv-olah")) / "bin" /
 OWNER = "owner"
 ID2LABEL = {"cls": {0: "negative", 1: "neutral", 2: "positive"},
             "tok": {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}}
-HEADS = {"mlm": "BertImplForMaskedLM", "cls": "BertImplForSequenceClassification",
+HEADS = {"mlm": "BertImplForMaskedLM", "pt": "BertImplForPreTraining", "cls": "BertImplForSequenceClassification",
          "tok": "BertImplForTokenClassification", "qa": "BertImplForQuestionAnswering", "base": "BertImplModel"}
 TEXT = "The quick brown fox jumps over the lazy dog in Paris."
 MASKED = "The quick brown [MASK] jumps over the lazy dog."
@@ -487,7 +487,7 @@ def hub_server(hub_setup, trainer_upload, tmp_path_factory):
         log.close()
 
 
-LOAD_HEADS = {"mlm": "AutoModelForMaskedLM", "cls": "AutoModelForSequenceClassification",
+LOAD_HEADS = {"mlm": "AutoModelForMaskedLM", "pt": "AutoModelForPreTraining", "cls": "AutoModelForSequenceClassification",
               "trainer-cls": "AutoModelForSequenceClassification", "tok": "AutoModelForTokenClassification",
               "qa": "AutoModelForQuestionAnswering", "base": "AutoModel"}
 
@@ -509,7 +509,23 @@ tokenizer = AutoTokenizer.from_pretrained(snapshot_download("owner/mlm"), trust_
 (OUT / "modules.json").write_text(json.dumps({n: type(m).__module__ + "." + type(m).__name__ for n, m in models.items()}))
 save_file(run_heads(models, tokenizer), OUT / "outputs.safetensors")
 (OUT / "pipelines.json").write_text(json.dumps(run_pipelines(models, tokenizer)))
+
+# The model card's "How to use" block, run as written on the downloaded repository (the repo id
+# becomes the snapshot path, for the AutoTokenizer reason above).
+snippets = {}
+for name, call in %(snippet_calls)r.items():
+    path = snapshot_download("owner/" + name)
+    card = (Path(path) / "README.md").read_text()
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"owner/%%s"' %% name in code, code
+    namespace = {}
+    exec(code.replace('"owner/%%s"' %% name, repr(path)), namespace)
+    snippets[name] = namespace["answer"] if call is None else namespace["pipe"](*call[0], **call[1])
+(OUT / "snippets.json").write_text(json.dumps(snippets, default=lambda numpy_scalar: numpy_scalar.item()))
 """
+# name -> (args, kwargs) of the card's `pipe(...)`; None: the QA card decodes `answer` itself
+SNIPPET_CALLS = {"mlm": ((MASKED,), {"top_k": 3}), "pt": ((MASKED,), {"top_k": 3}), "cls": ((TEXT,), {"top_k": None}),
+                 "tok": ((TEXT,), {}), "base": ((TEXT,), {}), "qa": None}
 
 # Runs identically in the package-free client and in this process, on the Hub copies and on the
 # local models respectively.
@@ -525,6 +541,8 @@ def run_heads(models, tokenizer):
                 out[name] = o.last_hidden_state
             elif name == "qa":
                 out[name] = torch.stack([o.start_logits, o.end_logits])
+            elif name == "pt":
+                out[name] = o.prediction_logits
             else:
                 out[name] = o.logits
     return {k: v.contiguous() for k, v in out.items()}
@@ -581,7 +599,7 @@ def test_load_back_through_a_hub_server(hub_setup, trainer_upload, hub_server, t
     bit-identical to the local model; the five pipelines give the local pipelines' results."""
     from safetensors.torch import load_file
 
-    code = CLIENT % dict(out=str(tmp_path), heads=LOAD_HEADS, run=RUN)
+    code = CLIENT % dict(out=str(tmp_path), heads=LOAD_HEADS, run=RUN, snippet_calls=SNIPPET_CALLS)
     proc = run_without_package(code, cwd=tmp_path, timeout=300, env_extra={
         "HF_ENDPOINT": hub_server.url, "HF_HOME": str(tmp_path / "empty_hf_home"), "HF_HUB_OFFLINE": "0",
         "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
@@ -608,6 +626,20 @@ def test_load_back_through_a_hub_server(hub_setup, trainer_upload, hub_server, t
     assert len(hub_pipes["fill-mask"]) == 3 and all("[MASK]" not in r["sequence"] for r in hub_pipes["fill-mask"])
     assert {r["label"] for r in hub_pipes["text-classification"]} == set(ID2LABEL["cls"].values())
     assert torch.equal(torch.tensor(hub_pipes["feature-extraction"][0]), local_out["base"][0, : len(hub_pipes["feature-extraction"][0])])
+
+    # the cards' usage code runs as written and gives the same results
+    from transformers import pipeline
+
+    import hf_bert_impl
+
+    snippets = json.loads((tmp_path / "snippets.json").read_text())
+    for name, key in (("mlm", "fill-mask"), ("cls", "text-classification"), ("tok", "token-classification"),
+                      ("base", "feature-extraction")):
+        _assert_same(snippets[name], local_pipes[key], f"card snippet of {name}")
+    pt_mlm = hf_bert_impl.BertImplForMaskedLM.from_pretrained(hub_setup.dirs["pt"]).eval()
+    local_pt = json.loads(json.dumps(pipeline("fill-mask", model=pt_mlm, tokenizer=hub_setup.tokenizer)(MASKED, top_k=3)))
+    _assert_same(snippets["pt"], local_pt, "card snippet of pt")
+    assert isinstance(snippets["qa"], str)
 
 
 def test_pretraining_run_to_upload_folder(tmp_path):
