@@ -121,3 +121,38 @@ def test_export_onnx_command(debug_config, tmp_path, capsys, minilm_dir):
     assert export_onnx.main(["--model", str(tmp_path / "ckpt"), "--check_lengths", str(MAX_POS + 1)]) == 2
     assert "exceed max_position_embeddings" in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Pictures (scripts/plot_attention.py): what the model computes, exported as PNGs.
+
+_plot_spec = importlib.util.spec_from_file_location("plot_attention", REPO_ROOT / "scripts" / "plot_attention.py")
+plot_attention = importlib.util.module_from_spec(_plot_spec)
+_plot_spec.loader.exec_module(plot_attention)
+
+
+def test_plot_attention_command_draws_real_probabilities(debug_config, tmp_path, capsys, minilm_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config(vocab_size=tokenizer.vocab_size, position_embedding_type="learned")).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    tokens, probs = plot_attention.attention_maps(model, tokenizer, "A tiny test sentence.", max_tokens=24)
+    with torch.no_grad():
+        expected = model(**tokenizer("A tiny test sentence.", return_tensors="pt"), output_attentions=True).attentions
+    assert tokens[0] == "[CLS]" and tokens[-1] == "[SEP]"
+    assert probs.shape == (2, 4, len(tokens), len(tokens))
+    torch.testing.assert_close(probs, torch.stack([a[0] for a in expected]), atol=0, rtol=0)
+
+    argv = ["--model", str(tmp_path / "ckpt"), "--tokenizer", str(minilm_dir), "--text", "A tiny test sentence.",
+            "--out", str(tmp_path / "att.png"), "--pe_out", str(tmp_path / "pe.png"), "--pe_positions", "40"]
+    assert plot_attention.main(argv) == 0
+    for png in ("att.png", "pe.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "2 layers x 4 heads" in capsys.readouterr().out
+    assert plot_attention.main(argv + ["--layers", "2"]) == 2
+    assert "--layers [2] outside [0, 2)" in capsys.readouterr().err
+    assert plot_attention.main(["--model", str(tmp_path / "nope"), "--text", "x"]) == 2
+    assert plot_attention.main(["--model", str(tmp_path / "ckpt")]) == 2
+    assert "nothing to draw" in capsys.readouterr().err
