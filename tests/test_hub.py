@@ -294,6 +294,32 @@ def test_dry_run_folder_is_exactly_the_hub_repository(hub_setup):
     assert 'AutoModelForMaskedLM.from_pretrained("owner/mlm", trust_remote_code=True)' in card.text
 
 
+@pytest.mark.parametrize("name", ["mlm", "cls"])
+def test_card_export_block_gives_a_plain_transformers_bert(hub_setup, name, tmp_path, monkeypatch):
+    """The card's "Without remote code" block, run as written on the upload folder, writes a
+    model_type "bert" checkpoint that stock transformers loads and that matches our model
+    (float32, 1e-5 absolute, the design's tolerance)."""
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+    folder = hub_setup.uploads[name]
+    card = (folder / "README.md").read_text()
+    code = card.split("```python\n")[2].split("```", 1)[0]
+    assert "to_hf_bert(model).save_pretrained(\"plain-bert\")" in code and f'"owner/{name}"' in code
+    monkeypatch.chdir(tmp_path)
+    exec(code.replace(f'"owner/{name}"', repr(str(folder))), {})
+    assert AutoConfig.from_pretrained(tmp_path / "plain-bert").model_type == "bert"
+    auto = AutoModelForMaskedLM if name == "mlm" else AutoModelForSequenceClassification
+    plain = auto.from_pretrained(tmp_path / "plain-bert").eval()
+    assert type(plain).__module__.startswith("transformers.models.bert.")
+    batch = hub_setup.tokenizer([TEXT, MASKED], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        theirs, ours = plain(**batch).logits, hub_setup.models[name](**batch).logits
+    if name == "mlm":  # per token: compare real tokens only (what a padded position predicts is unspecified)
+        real = batch["attention_mask"].bool()
+        theirs, ours = theirs[real], ours[real]
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+
 def test_upload_half_hands_huggingface_hub_exactly_the_dry_run_folder(hub_setup, tmp_path, monkeypatch, capsys):
     hub = FakeHub(tmp_path / "received").install(monkeypatch)
     monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_faked_endpoints")
