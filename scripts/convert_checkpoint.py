@@ -113,6 +113,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     copied = copy_tokenizer_files(source_dir, out)
+    if args.from_hf is not None:
+        # the model card (hf_bert_impl.hub) names this as base_model; a Hub id also goes in its metadata
+        (out / "training_facts.json").write_text(json.dumps({"base_model": args.from_hf}, indent=2) + "\n")
     print(f"wrote {type(model).__name__} to {out}: {sorted(p.name for p in out.iterdir())}")
     if not copied:
         print(f"note: {source_dir} has no tokenizer files; add them before AutoTokenizer can load {out}")

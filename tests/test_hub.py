@@ -688,3 +688,23 @@ def test_pretraining_run_to_upload_folder(tmp_path):
     assert results == {k: recorded[k] for k in ("eval_loss", "eval_masked_accuracy", "perplexity")}
     assert {r.dataset_type for r in card.data.eval_results} == {"local"}  # the embedded corpus is not on the Hub
     assert card.data.pipeline_tag == "fill-mask" and "![training loss curve](loss_curve.png)" in card.text
+
+
+def test_converted_checkpoint_to_upload_folder(minilm_dir, tmp_path):
+    """scripts/convert_checkpoint.py on the real all-MiniLM-L6-v2 weights, then push_to_hub.py
+    --dry-run: the card names the source as the base model and describes the converted size."""
+    from huggingface_hub import ModelCard
+
+    converted, upload = tmp_path / "converted", tmp_path / "upload"
+    assert _load_script("convert_checkpoint").main(["--from-hf", str(minilm_dir), "--out", str(converted)]) == 0
+    assert _push_script().main(["--model-dir", str(converted), "--repo-id", "owner/minilm-impl", "--dry-run", str(upload)]) == 0
+    assert sorted(_files(upload)) == ["README.md", "config.json", "configuration_bert_impl.py", "model.safetensors",
+                                      "modeling_bert_impl.py", "special_tokens_map.json", "tokenizer.json",
+                                      "tokenizer_config.json", "vocab.txt"]
+    card = ModelCard.load(upload / "README.md")
+    validate_model_card(card)
+    # a local directory is not a Hub id, so it is named in the text and kept out of the metadata
+    assert "base_model" not in card.data.to_dict()
+    assert f"| Base model | `{minilm_dir}` (a local checkpoint) |" in card.text
+    assert "| Size | 6 layers, hidden 384, 12 heads, feed-forward 1536, vocabulary 30522 |" in card.text
+    assert "| Position encoding | learned |" in card.text and card.data.pipeline_tag == "feature-extraction"
