@@ -1,7 +1,11 @@
 """The Hub: the model card, the push script's upload folder, and loading back by repo id.
 
-The card tests render cards from a saved debug model plus a `training_facts.json` like the one the
-training scripts write, and read them back with `huggingface_hub.ModelCard`.
+- Card: rendered from a saved debug model plus a `training_facts.json` as the training scripts
+  write it, read back with `huggingface_hub.ModelCard`; absent facts read "not recorded".
+- Upload half: `scripts/push_to_hub.py` against fakes of the Hub's endpoints only (`FakeHub`);
+  the files handed to `HfApi.upload_folder` must be the `--dry-run` folder, byte for byte.
+- Download half: olah (a Hub-compatible server, in `.venv-olah`) serves the `--dry-run` folders and
+  Trainer's push on 127.0.0.1; a process that cannot import hf_bert_impl loads them by repo id.
 """
 
 import hashlib
@@ -21,9 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from .conftest import REPO_ROOT, run_without_package
 
 from hf_bert_impl.hub import NOT_RECORDED, build_model_card, save_model_card, validate_model_card
+
+from .conftest import REPO_ROOT, run_without_package
 
 FACTS = {
     "task": "fill-mask",
