@@ -42,7 +42,7 @@ import math
 import os
 import re
 import shutil
-import tempfile
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -380,7 +380,9 @@ class BertImplPreTrainedModel(PreTrainedModel):
         if os.path.isfile(target):
             raise ValueError(f"save_pretrained needs a directory, but {target} is a file")
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=os.path.dirname(target))
+        # os.mkdir (not tempfile.mkdtemp, which makes it 0700) so the directory gets the usual umask mode.
+        staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.saving-{uuid.uuid4().hex[:12]}")
+        os.mkdir(staging)
         try:
             super().save_pretrained(staging, is_main_process, *args, **kwargs)
             if not os.path.exists(target):

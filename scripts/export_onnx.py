@@ -16,7 +16,9 @@ Needs the `test` extra (onnx, onnxscript, onnxruntime): pip install -e '.[test]'
 
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -149,27 +151,40 @@ def main(argv=None) -> int:
         longest = model.config.max_position_embeddings
         if not args.no_check and max(args.check_lengths) > longest:
             raise ValueError(f"--check_lengths {args.check_lengths} exceed max_position_embeddings={longest}")
-        out = args.out or os.path.join(args.model, "model.onnx")
-        names = export_onnx(model, out, args.opset)
+        out = os.path.abspath(args.out or os.path.join(args.model, "model.onnx"))
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        # Export and check in a sibling folder; only a file that passed reaches --out (an existing one
+        # is replaced only then). Same file name there, because model.onnx names its .data file.
+        staging = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(out))
+        staged = os.path.join(staging, os.path.basename(out))
+        names = export_onnx(model, staged, args.opset)
     except (ValueError, OSError) as e:
         print(f"export_onnx: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({type(model).__name__}; inputs {list(INPUT_NAMES)}, outputs {names})")
-    if args.no_check:
+    try:
+        print(f"exported {type(model).__name__} (inputs {list(INPUT_NAMES)}, outputs {names})")
+        if not args.no_check:
+            rows = check_onnx(model, staged, args.check_lengths, args.check_batch)
+            for r in rows:
+                print(
+                    f"  seq {r['sequence']:>4}  batch {r['batch']}  {r['output']:<24} {str(r['shape']):<14} max |onnx - torch| "
+                    f"all positions {r['max_abs_diff']:.3e}, real tokens vs default path {r['real_token_diff']:.3e}"
+                )
+            worst = max(max(r["max_abs_diff"], r["real_token_diff"]) for r in rows)
+            if not worst <= args.atol:  # NaN fails too
+                print(
+                    f"export_onnx: error: onnxruntime differs from torch by {worst:.3e} > --atol {args.atol}; "
+                    f"nothing written to {out}",
+                    file=sys.stderr,
+                )
+                return 1
+            print(f"onnxruntime matches torch: max abs diff {worst:.3e} <= {args.atol}")
+        for name in sorted(os.listdir(staging), key=lambda n: n == os.path.basename(out)):  # the .onnx last
+            os.replace(os.path.join(staging, name), os.path.join(os.path.dirname(out), name))
+        print(f"wrote {out}")
         return 0
-    rows = check_onnx(model, out, args.check_lengths, args.check_batch)
-    for r in rows:
-        print(
-            f"  seq {r['sequence']:>4}  batch {r['batch']}  {r['output']:<24} {str(r['shape']):<14} max |onnx - torch| "
-            f"all positions {r['max_abs_diff']:.3e}, real tokens vs default path {r['real_token_diff']:.3e}"
-        )
-    worst = max(max(r["max_abs_diff"], r["real_token_diff"]) for r in rows)
-    if not worst <= args.atol:  # NaN fails too
-        print(f"export_onnx: error: onnxruntime differs from torch by {worst:.3e} > --atol {args.atol}", file=sys.stderr)
-        return 1
-    print(f"onnxruntime matches torch: max abs diff {worst:.3e} <= {args.atol}")
-    return 0
-
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 if __name__ == "__main__":
     sys.exit(main())

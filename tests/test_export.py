@@ -121,6 +121,12 @@ def test_export_onnx_command(debug_config, tmp_path, capsys, minilm_dir):
     assert export_onnx.main(["--model", str(tmp_path / "ckpt"), "--check_lengths", str(MAX_POS + 1)]) == 2
     assert "exceed max_position_embeddings" in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()
+    # A check that fails (an impossible tolerance) writes nothing and leaves the earlier export alone.
+    before = out.read_bytes()
+    assert export_onnx.main(["--model", str(tmp_path / "ckpt"), "--out", str(out), "--check_lengths", "4", "--atol", "1e-15"]) == 1
+    assert "nothing written" in capsys.readouterr().err
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["cls.onnx", "cls.onnx.data"]
 
 
 # ----------------------------------------------------------------------------------------------

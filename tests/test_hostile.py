@@ -472,3 +472,14 @@ def test_save_into_existing_directory_keeps_other_files(tmp_path, debug_config):
     assert _same(BertImplModel.from_pretrained(folder), new)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     shutil.rmtree(folder)
+
+
+def test_saved_directory_has_the_usual_permissions(tmp_path, debug_config):
+    """The staging directory must not leak a private (0700) mode into the saved checkpoint."""
+    import os
+    import stat
+
+    (tmp_path / "plain").mkdir()
+    _model(debug_config, 0).save_pretrained(tmp_path / "ckpt")
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(tmp_path / "ckpt") == mode(tmp_path / "plain")
