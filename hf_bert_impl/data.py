@@ -150,34 +150,45 @@ def train_wordpiece_tokenizer(texts, vocab_size: int = 8000, min_frequency: int 
 # MLM examples
 
 
-def tokenize_and_group(dataset, tokenizer, max_seq_length: int, text_column: str = "text", num_proc=None, desc=""):
+def tokenize_and_group(dataset, tokenizer, max_seq_length: int, text_column: str = "text", num_proc=None, desc="",
+                       with_offsets: bool = False):
     """Tokenize with `datasets.map` (batched, cached), concatenate everything and cut it into blocks
     of `max_seq_length` tokens: [CLS] + (max_seq_length - 2) corpus tokens + [SEP]. The tail shorter
-    than a block is dropped, as in transformers' run_mlm.py."""
+    than a block is dropped, as in transformers' run_mlm.py. `with_offsets` keeps each token's
+    character span ("offset_mapping"), which whole-word masking reads to find word boundaries
+    (a token that starts where the previous one ended continues its word)."""
     body = max_seq_length - 2
     if body < 1:
         raise UsageError(f"--max_seq_length must be at least 3 ([CLS] x [SEP]), got {max_seq_length}")
     cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
 
     def tokenize(batch):
-        return {"ids": tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]}
+        enc = tokenizer(batch[text_column], add_special_tokens=False, return_offsets_mapping=with_offsets)
+        out = {"ids": enc["input_ids"]}
+        if with_offsets:
+            out["offsets"] = [[list(o) for o in row] for row in enc["offset_mapping"]]
+        return out
 
     def group(batch):
         flat = [t for ids in batch["ids"] for t in ids]
-        blocks = [flat[i : i + body] for i in range(0, len(flat) - body + 1, body)]
-        input_ids = [[cls_id, *b, sep_id] for b in blocks]
-        return {
-            "input_ids": input_ids,
+        starts = range(0, len(flat) - body + 1, body)
+        blocks = [flat[i : i + body] for i in starts]
+        out = {
+            "input_ids": [[cls_id, *b, sep_id] for b in blocks],
             "token_type_ids": [[0] * max_seq_length for _ in blocks],
             "attention_mask": [[1] * max_seq_length for _ in blocks],
             "special_tokens_mask": [[1] + [0] * body + [1] for _ in blocks],
         }
+        if with_offsets:
+            offsets = [o for row in batch["offsets"] for o in row]
+            out["offset_mapping"] = [[[0, 0], *offsets[i : i + body], [0, 0]] for i in starts]
+        return out
 
     tokenized = dataset.map(
         tokenize, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenizing {desc}".strip()
     )
     return tokenized.map(
-        group, batched=True, batch_size=1000, remove_columns=["ids"], num_proc=num_proc,
+        group, batched=True, batch_size=1000, remove_columns=tokenized.column_names, num_proc=num_proc,
         desc=f"Grouping {desc} into blocks of {max_seq_length}".strip(),
     )
 
@@ -230,7 +241,8 @@ class MLMCollator:
         if "labels" not in features[0]:
             return self.mlm(features)
         labels = [list(f["labels"]) for f in features]
-        rest = [{k: v for k, v in f.items() if k not in ("labels", "special_tokens_mask")} for f in features]
+        rest = [{k: v for k, v in f.items() if k not in ("labels", "special_tokens_mask", "offset_mapping")}
+                for f in features]
         batch = self.tokenizer.pad(rest, return_tensors="pt")
         width = batch["input_ids"].shape[1]
         batch["labels"] = torch.tensor([l + [IGNORE_INDEX] * (width - len(l)) for l in labels])
@@ -255,7 +267,9 @@ def mask_once(dataset, tokenizer, seed: int, mlm_probability: float = 0.15, whol
                 out.setdefault(k, []).append(masked[k][0].tolist())
         return out
 
-    return dataset.map(apply, batched=True, desc="Masking once (static)")
+    # The masking inputs are spent once the labels are stored.
+    spent = [c for c in ("special_tokens_mask", "offset_mapping") if c in dataset.column_names]
+    return dataset.map(apply, batched=True, remove_columns=spent, desc="Masking once (static)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,11 +293,17 @@ def load_data_files(train_file=None, validation_file=None, test_file=None) -> da
             raise UsageError(f"--{split}_file {path}: unknown extension {p.suffix!r}; use one of {sorted(DATA_FILE_TYPES)}")
         if p.stat().st_size == 0:
             raise UsageError(f"--{split}_file {path}: the file is empty")
+        # A local file converts in a blink; its progress bar would only clutter an error message.
+        bars_were_on = datasets.utils.logging.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
         try:
             ds = datasets.load_dataset(kind, data_files={split: str(p)}, split=split)
         except Exception as e:  # datasets raises many types for unparsable files; the user needs the file name
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UsageError(f"--{split}_file {path}: cannot be read as {kind}: {first}") from e
+        finally:
+            if bars_were_on:
+                datasets.enable_progress_bars()
         if len(ds) == 0:
             raise UsageError(f"--{split}_file {path}: the file holds no rows")
         loaded[split] = ds
@@ -355,3 +375,20 @@ def default_logging_steps(training_args, num_update_steps: int | None = None) ->
         steps = training_args.max_steps if training_args.max_steps > 0 else num_update_steps
         if steps:
             training_args.logging_steps = max(1, steps // 50)
+
+
+def align_word_labels(word_ids, word_labels, label_all_tokens: bool = False) -> list[int]:
+    """Word-level label ids -> one label per token for token classification: special tokens get -100;
+    the first WordPiece of a word gets the word's label; the word's other pieces get -100 (ignored by
+    the loss), or the same label with `label_all_tokens`. `word_ids` comes from a fast tokenizer's
+    `BatchEncoding.word_ids(i)`."""
+    out, previous = [], None
+    for w in word_ids:
+        if w is None:
+            out.append(IGNORE_INDEX)
+        elif w != previous or label_all_tokens:
+            out.append(word_labels[w])
+        else:
+            out.append(IGNORE_INDEX)
+        previous = w
+    return out

@@ -119,12 +119,14 @@ def load_raw_data(data_args: DataArguments, seed: int):
     elif data_args.train_file:
         raw = D.load_data_files(data_args.train_file, data_args.validation_file)
         source = Path(data_args.train_file).name
+        files = {"train": data_args.train_file, "validation": data_args.validation_file}
     elif data_args.validation_file:
         raise D.UsageError(f"--validation_file {data_args.validation_file} was given without --train_file")
     else:
         return D.default_corpus_dataset(), D.DEFAULT_CORPUS_NAME
     for split in raw:
-        D.check_columns(raw[split], [data_args.text_column], f"{source} ({split} split)")
+        where = f"--{split}_file {files[split]}" if data_args.train_file else f"{source} ({split} split)"
+        D.check_columns(raw[split], [data_args.text_column], where)
         if split != "train" or not data_args.train_file:
             continue
         texts = [t for t in raw[split][data_args.text_column] if isinstance(t, str) and t.strip()]
@@ -222,6 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
     transformers.utils.logging.set_verbosity_warning()
+    if data_args.nsp and data_args.whole_word_mask:
+        raise D.UsageError("--whole_word_mask is supported for MLM blocks only, not with --nsp")
     if not 0.0 < data_args.mlm_probability < 1.0:
         raise D.UsageError(f"--mlm_probability must lie in (0, 1), got {data_args.mlm_probability}")
 
@@ -243,7 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
                       for k, v in raw.items()}
         else:
             splits = {k: D.tokenize_and_group(v, tokenizer, data_args.max_seq_length, data_args.text_column,
-                                              data_args.preprocessing_num_workers, desc=k)
+                                              data_args.preprocessing_num_workers, desc=k,
+                                              with_offsets=data_args.whole_word_mask)
                       for k, v in raw.items()}
     train = splits["train"]
     if len(train) == 0:
@@ -269,6 +274,9 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("model: %s, %.2fM parameters, %d training examples of %d tokens",
                 type(model).__name__, model.num_parameters() / 1e6, len(train), data_args.max_seq_length)
     D.default_logging_steps(training_args)
+    # The collator needs special_tokens_mask / offset_mapping, which Trainer would drop as columns
+    # the model's forward does not take; every column of these datasets is meant for the collator or model.
+    training_args.remove_unused_columns = False
 
     trainer = Trainer(
         model=model,

@@ -1,0 +1,344 @@
+"""The command-line scripts end to end on tiny local data: pretrain_mlm.py, finetune.py (sequence
+pairs, regression, token classification, early stopping), demo_reload.py, and bad input files that
+must stop before any training with a one-line message and a non-zero exit.
+
+The scripts run in this process through their `main(argv)` / `cli()` (an interpreter start costs
+seconds on this machine); one test per script runs the real command line in a subprocess."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
+from hf_bert_impl.data import default_corpus_dataset, train_wordpiece_tokenizer, word_order_task
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO_ROOT / "scripts"
+FAST = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1", "--seed", "5"]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the script's string annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def pretrain():
+    return load_script("pretrain_mlm")
+
+
+@pytest.fixture(scope="module")
+def finetune():
+    return load_script("finetune")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Tiny inputs: a text file of 120 corpus paragraphs, a WordPiece tokenizer (vocab <= 400), and a
+    debug-size BertImplForMaskedLM saved with it (the starting point of the fine-tuning tests)."""
+    root = tmp_path_factory.mktemp("inputs")
+    texts = default_corpus_dataset()["train"]["text"]
+    (root / "train.txt").write_text("\n".join(texts[:120]) + "\n", encoding="utf-8")
+    (root / "valid.txt").write_text("\n".join(texts[120:150]) + "\n", encoding="utf-8")
+    tokenizer = train_wordpiece_tokenizer(texts[:300], vocab_size=400)
+    torch.manual_seed(0)
+    config = BertImplConfig.from_preset("debug", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model_dir = root / "mlm"
+    BertImplForMaskedLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return root
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+def write_jsonl(path, rows):
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def assert_hub_directory(out: Path, architecture: str):
+    """Weights, config with auto_map for the head, the two code files, a tokenizer, facts, PNG, card."""
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "bert_impl" and config["architectures"] == [architecture]
+    assert config["auto_map"]["AutoConfig"] == "configuration_bert_impl.BertImplConfig"
+    for name in ("model.safetensors", "configuration_bert_impl.py", "modeling_bert_impl.py", "tokenizer.json",
+                 "tokenizer_config.json", "training_facts.json", "loss_curve.png", "README.md"):
+        assert (out / name).is_file(), f"{name} missing from {out}"
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return config, json.loads((out / "training_facts.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# pretrain_mlm.py
+
+
+def test_pretrain_mlm_writes_a_complete_hub_directory(pretrain, files, tmp_path):
+    """MLM with whole-word masking on a local txt file, a WordPiece trained on it, evaluation on a
+    validation file: masked accuracy in [0, 1], perplexity = exp(eval_loss), the card names them,
+    and the directory loads with AutoModelForMaskedLM + trust_remote_code."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    out = tmp_path / "mlm"
+    metrics = pretrain.main([
+        "--output_dir", str(out), "--train_file", str(files / "train.txt"), "--validation_file", str(files / "valid.txt"),
+        "--model_size", "debug", "--max_seq_length", "32", "--tokenizer_vocab_size", "300", "--whole_word_mask",
+        "--max_steps", "4", "--per_device_train_batch_size", "4", "--save_strategy", "no", *FAST,
+    ])
+    assert 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
+    assert math.isclose(metrics["perplexity"], math.exp(metrics["eval_loss"]), rel_tol=1e-9)
+    config, facts = assert_hub_directory(out, "BertImplForMaskedLM")
+    assert facts["task"] == "fill-mask" and facts["dataset"] == "train.txt" and facts["base_model"] is None
+    assert facts["hyperparameters"]["whole_word_mask"] is True and facts["hyperparameters"]["max_steps"] == 4
+    assert facts["metrics"]["eval_masked_accuracy"] == pytest.approx(metrics["eval_masked_accuracy"])
+    card = (out / "README.md").read_text()
+    assert "masked_accuracy" in card and "loss_curve.png" in card
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) <= 300 and config["vocab_size"] == len(tokenizer)
+    model = AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True)
+    assert type(model).__name__ == "BertImplForMaskedLM"
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert len([h for h in state["log_history"] if "loss" in h]) == 4
+
+
+def test_pretrain_with_next_sentence_prediction(pretrain, files, tmp_path):
+    """--nsp trains BertImplForPreTraining on sentence pairs and reports the NSP accuracy."""
+    out = tmp_path / "nsp"
+    metrics = pretrain.main([
+        "--output_dir", str(out), "--train_file", str(files / "train.txt"), "--validation_file", str(files / "valid.txt"),
+        "--tokenizer_name", str(files / "mlm"), "--model_size", "debug", "--max_seq_length", "48", "--nsp",
+        "--max_steps", "3", "--per_device_train_batch_size", "4", "--save_strategy", "no", *FAST,
+    ])
+    assert 0.0 <= metrics["eval_nsp_accuracy"] <= 1.0 and 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
+    assert_hub_directory(out, "BertImplForPreTraining")
+
+
+def test_pretrain_continues_from_a_transformers_bert_checkpoint(pretrain, minilm_dir, tmp_path):
+    """--model_name_or_path on a real transformers BertModel (all-MiniLM-L6-v2): converted on the fly,
+    its tokenizer used, trained 2 steps, saved as bert_impl with the base model recorded."""
+    out = tmp_path / "cont"
+    pretrain.main([
+        "--output_dir", str(out), "--model_name_or_path", str(minilm_dir), "--max_seq_length", "16",
+        "--max_train_samples", "8", "--max_eval_samples", "4", "--max_steps", "2", "--per_device_train_batch_size", "2",
+        "--save_strategy", "no", *FAST,
+    ])
+    config, facts = assert_hub_directory(out, "BertImplForMaskedLM")
+    assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384
+    assert config["position_embedding_type"] == "learned"
+    assert facts["base_model"] == str(minilm_dir)
+
+
+@pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--bf16"])
+def test_pretrain_training_flags(pretrain, files, tmp_path, flag):
+    """--gradient_checkpointing and --bf16 (CPU autocast here) run through and give a finite loss."""
+    out = tmp_path / flag.strip("-")
+    pretrain.main([
+        "--output_dir", str(out), "--train_file", str(files / "train.txt"), "--tokenizer_name", str(files / "mlm"),
+        "--model_size", "debug", "--max_seq_length", "16", "--max_steps", "2", "--per_device_train_batch_size", "4",
+        "--validation_split_percentage", "0", "--save_strategy", "no", flag, *FAST,
+    ])
+    state = json.loads((out / "trainer_state.json").read_text())
+    losses = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+# ----------------------------------------------------------------------------------------------
+# finetune.py
+
+
+def test_finetune_sentence_pairs_with_string_labels_and_unlabelled_test_file(finetune, files, tmp_path):
+    """GLUE-style csv (sentence1, sentence2, label in {no, yes}): classes from the strings,
+    metrics from the shipped evaluate module, predictions.jsonl with one label name per test row."""
+    import csv
+
+    rows = [{"sentence1": f"the value {i} is", "sentence2": f"number {i % 3}", "label": "yes" if i % 2 else "no"}
+            for i in range(24)]
+    for name, part in (("train", rows[:16]), ("dev", rows[16:])):
+        with open(tmp_path / f"{name}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["sentence1", "sentence2", "label"])
+            w.writeheader()
+            w.writerows(part)
+    with open(tmp_path / "test.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["sentence1", "sentence2"])
+        w.writeheader()
+        w.writerows({k: r[k] for k in ("sentence1", "sentence2")} for r in rows[:5])
+    out = tmp_path / "pairs"
+    metrics = finetune.main([
+        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(tmp_path / "train.csv"),
+        "--validation_file", str(tmp_path / "dev.csv"), "--test_file", str(tmp_path / "test.csv"),
+        "--max_steps", "3", "--per_device_train_batch_size", "8", "--save_strategy", "no", *FAST,
+    ])
+    assert set(metrics) >= {"eval_accuracy", "eval_f1", "eval_matthews_correlation", "eval_loss"}
+    config, facts = assert_hub_directory(out, "BertImplForSequenceClassification")
+    assert config["id2label"] == {"0": "no", "1": "yes"} and config["problem_type"] == "single_label_classification"
+    assert facts["task"] == "text-classification" and facts["labels"] == ["no", "yes"]
+    predictions = read_jsonl(out / "predictions.jsonl")
+    assert [p["sentence1"] for p in predictions] == [r["sentence1"] for r in rows[:5]]
+    assert all(p["prediction"] in ("no", "yes") and "label" not in p for p in predictions)
+
+
+def test_finetune_regression_on_float_labels(finetune, files, tmp_path):
+    """A float label column means regression: one output, MSE loss, pearson/spearmanr metrics."""
+    rows = [{"sentence": f"score {i} of ten", "label": float(i % 5) / 4} for i in range(20)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows[:14])
+    dev = write_jsonl(tmp_path / "dev.jsonl", rows[14:])
+    out = tmp_path / "reg"
+    metrics = finetune.main([
+        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(train),
+        "--validation_file", str(dev), "--max_steps", "2", "--per_device_train_batch_size", "7", "--save_strategy", "no", *FAST,
+    ])
+    assert {"eval_pearson", "eval_spearmanr", "eval_mse"} <= set(metrics)
+    config, _ = assert_hub_directory(out, "BertImplForSequenceClassification")
+    assert config["problem_type"] == "regression" and len(config["id2label"]) == 1
+    predictions = read_jsonl(out / "predictions.jsonl")
+    assert len(predictions) == 6 and all(isinstance(p["prediction"], float) for p in predictions)
+
+
+def test_finetune_token_classification_aligns_word_labels(finetune, files, tmp_path):
+    """tokens + ner_tags (string tags): labels go to the first WordPiece of each word, the others are
+    ignored (-100); predictions.jsonl holds one tag per word."""
+    words = ["Python", "evaluates", "expressions", "from", "left", "to", "right", "unconditionally"]
+    rows = [{"tokens": words[i % 3 :], "ner_tags": ["B-X" if w[0].isupper() else "O" for w in words[i % 3 :]]}
+            for i in range(12)]
+    train = write_jsonl(tmp_path / "ner.jsonl", rows)
+    dev = write_jsonl(tmp_path / "ner_dev.jsonl", rows[:4])
+
+    # The alignment the script uses: first WordPiece of a word -> its tag, other pieces and specials -100.
+    from transformers import AutoTokenizer
+
+    from hf_bert_impl.data import align_word_labels
+
+    tokenizer = AutoTokenizer.from_pretrained(files / "mlm")
+    word_ids = tokenizer(words, is_split_into_words=True).word_ids()
+    tags = list(range(10, 10 + len(words)))
+    aligned = align_word_labels(word_ids, tags)
+    assert len(word_ids) > len(words) + 2, "the test needs a word split into several pieces"
+    assert [a for a in aligned if a != -100] == tags  # each word labelled exactly once, in order
+    assert aligned[0] == aligned[-1] == -100  # [CLS], [SEP]
+    firsts = [i for i, w in enumerate(word_ids) if w is not None and (i == 0 or word_ids[i - 1] != w)]
+    assert [aligned[i] for i in firsts] == tags
+    assert align_word_labels(word_ids, tags, label_all_tokens=True)[1:-1] == [tags[w] for w in word_ids[1:-1]]
+
+    out = tmp_path / "ner"
+    metrics = finetune.main([
+        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(train),
+        "--validation_file", str(dev), "--max_steps", "2", "--per_device_train_batch_size", "6", "--save_strategy", "no", *FAST,
+    ])
+    assert {"eval_accuracy", "eval_f1_macro", "eval_f1_micro"} <= set(metrics)
+    config, facts = assert_hub_directory(out, "BertImplForTokenClassification")
+    assert config["id2label"] == {"0": "B-X", "1": "O"} and facts["task"] == "token-classification"
+    predictions = read_jsonl(out / "predictions.jsonl")
+    assert len(predictions) == 4
+    for p, r in zip(predictions, rows[:4]):
+        assert len(p["prediction"]) == len(r["tokens"]) and set(p["prediction"]) <= {"O", "B-X"}
+        assert p["label"] == r["ner_tags"]
+
+
+
+def test_finetune_early_stopping_stops_when_the_eval_loss_stalls(finetune, files, tmp_path):
+    """learning rate 0: the evaluation loss never improves, so patience 1 stops after the second
+    evaluation, far before the 20 epochs asked for."""
+    rows = [{"sentence": f"a sentence number {i}", "label": i % 2} for i in range(8)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    out = tmp_path / "es"
+    finetune.main([
+        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(train),
+        "--validation_file", str(train), "--num_train_epochs", "20", "--per_device_train_batch_size", "8",
+        "--learning_rate", "0", "--eval_strategy", "epoch", "--save_strategy", "epoch", "--load_best_model_at_end",
+        "--early_stopping_patience", "1", *FAST,
+    ])
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 2, f"expected a stop after 2 epochs, ran {state['global_step']} steps"
+
+
+def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_path):
+    """No data option: the embedded word-order task. Then demo_reload.py, in a fresh process that
+    cannot import hf_bert_impl, loads the result through trust_remote_code, predicts the test split
+    and agrees with the fine-tuning run's own predictions on every row."""
+    from .conftest import run_without_package
+
+    out = tmp_path / "wo"
+    metrics = finetune.main([
+        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--max_steps", "2",
+        "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "128", "--max_seq_length", "48",
+        "--save_strategy", "no", *FAST,
+    ])
+    task = word_order_task()
+    assert "test_accuracy" in metrics
+    facts = json.loads((out / "training_facts.json").read_text())
+    assert facts["dataset"].startswith("embedded word-order task") and facts["labels"] == ["shuffled", "original"]
+    predictions = read_jsonl(out / "predictions.jsonl")
+    assert [p["sentence"] for p in predictions] == task["test"]["sentence"]
+
+    data_file = tmp_path / "test.jsonl"
+    task["test"].to_json(str(data_file))
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['demo_reload.py', '--model_dir', {str(out)!r}, '--data_file', {str(data_file)!r}]\n"
+        f"runpy.run_path({str(SCRIPTS / 'demo_reload.py')!r}, run_name='__main__')\n"
+    )
+    result = run_without_package(code, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "transformers_modules" in result.stdout, result.stdout
+    assert f"agreement with the fine-tuning run's own predictions: {len(predictions)}/{len(predictions)}" in result.stdout
+    n = len(predictions)
+    correct = round(metrics["test_accuracy"] * n)
+    assert f"{n} rows of test.jsonl: {correct}/{n} correct" in result.stdout, result.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: a one-line message naming the file and the problem, non-zero exit, no training
+
+
+def _bad_train_files(tmp_path, script):
+    missing = tmp_path / "does_not_exist.csv"
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    wrong = tmp_path / "wrong_column.csv"
+    wrong.write_text("body,target\nsome words here,1\nmore words there,0\n")
+    return [(missing, "no such file"), (empty, "the file is empty"),
+            (wrong, "missing column(s) ['text']" if script == "pretrain_mlm" else "no text column")]
+
+
+@pytest.mark.parametrize("script_name", ["pretrain_mlm", "finetune"])
+def test_bad_train_file_stops_before_training_with_one_line(script_name, files, tmp_path, monkeypatch, capsys):
+    script = load_script(script_name)
+    trained = []
+    monkeypatch.setattr(script.Trainer, "train", lambda *a, **k: trained.append(1))
+    for path, problem in _bad_train_files(tmp_path, script_name):
+        out = tmp_path / f"out_{path.stem}"
+        argv = ["--output_dir", str(out), "--train_file", str(path), *FAST]
+        if script_name == "finetune":
+            argv += ["--model_name_or_path", str(files / "mlm")]
+        monkeypatch.setattr(sys, "argv", [f"{script_name}.py", *argv])
+        code = script.cli()
+        err = capsys.readouterr().err.strip()
+        assert code == 2
+        assert len(err.splitlines()) == 1, repr(err)
+        assert str(path) in err and problem in err, err
+        assert not (out / "model.safetensors").exists()
+    assert not trained
+
+
+def test_bad_train_file_on_the_real_command_line(files, tmp_path):
+    """The same through a real interpreter: exit status 2, stderr is exactly one line, no traceback."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "finetune.py"), "--model_name_or_path", str(files / "mlm"),
+         "--output_dir", str(tmp_path / "o"), "--train_file", str(tmp_path / "nope.jsonl"), "--use_cpu"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 2
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert lines == [f"finetune.py: error: --train_file {tmp_path / 'nope.jsonl'}: no such file"], result.stderr
