@@ -487,6 +487,15 @@ class BertImplPreTrainedModel(PreTrainedModel):
         if torch.compiler.is_compiling():
             return
         config = self.config
+        if 0 in shape:
+            raise ValueError(f"the input has an empty dimension: shape {shape}; pass at least one sequence of one token")
+        for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+            if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+                raise ValueError(f"{name} must hold integer ids, got dtype {t.dtype}")
+        if inputs_embeds is not None and inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds has width {inputs_embeds.shape[-1]} but config.hidden_size = {config.hidden_size}"
+            )
         for name, ids, limit, field in (
             ("input_ids", input_ids, config.vocab_size, "vocab_size"),
             ("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size"),
@@ -507,6 +516,18 @@ class BertImplPreTrainedModel(PreTrainedModel):
                 f"attention_mask has shape {tuple(attention_mask.shape)} but the input has shape {shape}; "
                 "pass a (batch, sequence) mask of 1 for tokens and 0 for padding"
             )
+        if attention_mask is not None and not (attention_mask.eq(0) | attention_mask.eq(1)).all():
+            values = attention_mask.unique().tolist()
+            raise ValueError(
+                f"attention_mask must hold 1 for tokens and 0 for padding, got values {values[:8]}"
+                + (" ..." if len(values) > 8 else "")
+            )
+        if position_ids is not None:
+            pshape = tuple(position_ids.shape)
+            if len(pshape) != 2 or pshape[1] != shape[1] or pshape[0] not in (1, shape[0]):
+                raise ValueError(f"position_ids has shape {pshape}; pass (batch, sequence) or (1, sequence) for input shape {shape}")
+            if int(position_ids.min()) < 0:
+                raise ValueError(f"position_ids contains {int(position_ids.min())}; positions start at 0")
         if config.position_embedding_type == "learned":
             longest = int(position_ids.max()) + 1 if position_ids is not None else shape[1]
             if longest > config.max_position_embeddings:

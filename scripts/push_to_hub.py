@@ -15,7 +15,7 @@ Uploads model.safetensors, config.json (auto_map for every head), configuration_
 modeling_bert_impl.py, the tokenizer files, the loss-curve image and README.md (the model card,
 from model_cards/model_card.md and the directory's training_facts.json). Every check (repo id,
 files, safetensors, login) runs before anything is built or sent; a failed check prints one line
-and exits with status 2.
+and exits with status 2 (status 1: the Hub itself refused the upload).
 """
 
 import sys
@@ -38,6 +38,8 @@ class PushArguments:
 
 def main(argv=None) -> int:
     (args,) = HfArgumentParser(PushArguments).parse_args_into_dataclasses(args=argv)
+    from huggingface_hub.errors import HfHubHTTPError
+
     from hf_bert_impl.hub import push_model_dir
 
     try:
@@ -45,7 +47,10 @@ def main(argv=None) -> int:
             args.model_dir, args.repo_id, private=args.private, revision=args.revision,
             commit_message=args.commit_message, dry_run=args.dry_run,
         )
-    except ValueError as err:
+    except HfHubHTTPError as err:  # the Hub refused a request after every local check passed
+        print(f"push_to_hub.py: error: the Hub refused the push: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as err:  # OSError: e.g. a --dry-run folder that cannot be written
         print(f"push_to_hub.py: error: {err}", file=sys.stderr)
         return 2
     if args.dry_run is not None:

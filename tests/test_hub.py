@@ -360,6 +360,17 @@ def test_rejected_token_or_foreign_owner_stops_before_upload(hub_setup, tmp_path
     assert "the Hugging Face token was rejected (401): log in with `hf auth login`" in capsys.readouterr().err
     assert hub.calls == [("whoami",)] and not hub.uploads
 
+    def forbidden(api, repo_id, **kwargs):  # e.g. a token without write access to the organisation
+        request = httpx2.Request("POST", "https://huggingface.co/api/repos/create")
+        raise HfHubHTTPError("403 Forbidden: you don't have the rights to create a model under this namespace",
+                             response=httpx2.Response(403, request=request))
+
+    hub = FakeHub(tmp_path / "received").install(monkeypatch)
+    monkeypatch.setattr(HfApi, "create_repo", forbidden)
+    assert hub_setup.push.main(argv + ["some-org/cls"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("push_to_hub.py: error: the Hub refused the push: 403 Forbidden")
+    assert [c[0] for c in hub.calls] == ["whoami", "validate_card"] and not hub.uploads
+
 
 @pytest.mark.parametrize("repo_id", ["bert-impl-mlm", "owner/name/extra", "owner/bad name", "owner/-name", "owner/na--me", "/name"])
 def test_malformed_repo_id_is_refused_before_anything(hub_setup, repo_id, tmp_path, capsys):
