@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from transformers import AutoModel
@@ -81,8 +81,8 @@ def valid_case(draw):
     else:
         mask = torch.ones(b, s, dtype=torch.long)
         mask[0] = 0
-    if mask is not None and draw(st.booleans()):
-        mask = mask.bool()
+    if mask is not None:
+        mask = mask.to(draw(st.sampled_from([torch.long, torch.bool, torch.float32])))
     labels = torch.where(torch.rand(b, s, generator=g) < 0.5, input_ids, torch.full_like(input_ids, -100))
     return config, seed, dict(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids), labels, pattern
 
@@ -91,6 +91,8 @@ def valid_case(draw):
 @given(valid_case())
 def test_valid_configs_and_inputs_give_finite_outputs(case):
     config, seed, inputs, labels, pattern = case
+    event(f"mask {pattern}")
+    event(f"{config._attn_implementation} / {config.position_embedding_type}")
     torch.manual_seed(seed)
     model = BertImplForMaskedLM(config).eval()
     with torch.no_grad():
@@ -150,38 +152,65 @@ def test_invalid_config_raises_value_error_naming_field(bad, heads):
 @st.composite
 def invalid_input(draw):
     b, s = draw(st.integers(1, 3)), draw(st.integers(1, 6))
-    kind = draw(st.sampled_from(["id_high", "id_negative", "type_high", "mask_shape", "ids_3d", "learned_too_long", "both"]))
+    kind = draw(st.sampled_from([
+        "id_high", "id_negative", "type_high", "mask_shape", "ids_3d", "learned_too_long", "both", "float_ids",
+        "empty", "embeds_width", "mask_values", "position_negative", "position_shape",
+    ]))
     ids = torch.randint(0, 20, (b, s))
     kw = dict(input_ids=ids)
     if kind == "id_high":
         bad = draw(st.integers(20, 10**6))
         ids[draw(st.integers(0, b - 1)), draw(st.integers(0, s - 1))] = bad
-        return kw, "input_ids", str(bad)
+        return kind, kw, "input_ids", str(bad)
     if kind == "id_negative":
         bad = draw(st.integers(-(10**6), -1))
         ids[0, 0] = bad
-        return kw, "input_ids", str(bad)
+        return kind, kw, "input_ids", str(bad)
     if kind == "type_high":
         bad = draw(st.integers(2, 50))
         kw["token_type_ids"] = torch.full((b, s), bad)
-        return kw, "token_type_ids", str(bad)
+        return kind, kw, "token_type_ids", str(bad)
     if kind == "mask_shape":
         kw["attention_mask"] = torch.ones(b, s + draw(st.integers(1, 3)))
-        return kw, "attention_mask", "shape"
+        return kind, kw, "attention_mask", "shape"
     if kind == "ids_3d":
         kw["input_ids"] = ids[None]
-        return kw, "input_ids", "shape"
+        return kind, kw, "input_ids", "shape"
     if kind == "both":
         kw["inputs_embeds"] = torch.zeros(b, s, 16)
-        return kw, "exactly one", ""
+        return kind, kw, "exactly one", ""
+    if kind == "float_ids":
+        kw["input_ids"] = ids.float()
+        return kind, kw, "input_ids", "torch.float32"
+    if kind == "empty":
+        kw["input_ids"] = ids[:, :0] if draw(st.booleans()) else ids[:0]
+        return kind, kw, "empty", str(tuple(kw["input_ids"].shape))
+    if kind == "embeds_width":
+        width = draw(st.integers(1, 40).filter(lambda w: w != 16))
+        return kind, dict(inputs_embeds=torch.zeros(b, s, width)), "inputs_embeds", str(width)
+    if kind == "mask_values":
+        bad = draw(st.sampled_from([2, -1, 0.5, 7]))
+        mask = torch.ones(b, s) if isinstance(bad, float) else torch.ones(b, s, dtype=torch.long)
+        mask[-1, -1] = bad
+        kw["attention_mask"] = mask
+        return kind, kw, "attention_mask", str(bad)
+    if kind == "position_negative":
+        bad = draw(st.integers(-50, -1))
+        kw["position_ids"] = torch.arange(s)[None].clone()
+        kw["position_ids"][0, -1] = bad
+        return kind, kw, "position_ids", str(bad)
+    if kind == "position_shape":
+        kw["position_ids"] = torch.arange(s + draw(st.integers(1, 3)))[None]
+        return kind, kw, "position_ids", "shape"
     kw["input_ids"] = torch.randint(0, 20, (b, 8 + draw(st.integers(1, 5))))
-    return kw, "max_position_embeddings", "truncat"
+    return kind, kw, "max_position_embeddings", "truncat"
 
 
 @settings(max_examples=INVALID_EXAMPLES, **HYPO)
 @given(invalid_input())
 def test_invalid_inputs_raise_value_error_naming_the_value(case):
-    kw, names, mentions = case
+    kind, kw, names, mentions = case
+    event(kind)
     config = BertImplConfig(
         vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=7,
         max_position_embeddings=8, position_embedding_type="learned",
