@@ -176,9 +176,10 @@ def invalid_input(draw):
     if kind == "ids_3d":
         kw["input_ids"] = ids[None]
         return kind, kw, "input_ids", "shape"
-    if kind == "both":
-        kw["inputs_embeds"] = torch.zeros(b, s, 16)
-        return kind, kw, "exactly one", ""
+    if kind == "both":  # both input_ids and inputs_embeds, or neither
+        if draw(st.booleans()):
+            return kind, dict(input_ids=ids, inputs_embeds=torch.zeros(b, s, 16)), "exactly one", ""
+        return kind, dict(attention_mask=torch.ones(b, s)), "exactly one", ""
     if kind == "float_ids":
         kw["input_ids"] = ids.float()
         return kind, kw, "input_ids", "torch.float32"
