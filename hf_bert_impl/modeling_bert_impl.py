@@ -417,7 +417,8 @@ class BertImplPreTrainedModel(PreTrainedModel):
         `pytorch_model.bin` weights is refused (a pickle can run code; transformers would try it with
         `torch.load(weights_only=True)`) unless the caller opts in with `use_safetensors=False`. A
         truncated or corrupt `model.safetensors` raises a ValueError that says so, not a bare
-        SafetensorError. The config checks (model type, required fields) live in BertImplConfig."""
+        SafetensorError; so does a checkpoint that lacks encoder weights (transformers would warn and
+        start them random). The config checks (model type, required fields) live in BertImplConfig."""
         source = pretrained_model_name_or_path
         folder = os.path.join(os.fspath(source), kwargs["subfolder"]) if kwargs.get("subfolder") else source
         if folder is not None and os.path.isdir(folder) and kwargs.get("use_safetensors") is not False:
@@ -430,8 +431,9 @@ class BertImplPreTrainedModel(PreTrainedModel):
                     "model.load_state_dict(torch.load(path, weights_only=True)); model.save_pretrained(dir), "
                     "or pass use_safetensors=False to load it with torch.load(weights_only=True)"
                 )
+        want_info = kwargs.pop("output_loading_info", False)
         try:
-            return super().from_pretrained(source, *model_args, **kwargs)
+            model, info = super().from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
         except Exception as e:
             # Matched by name: this file imports only torch and transformers (the Hub rule).
             if type(e).__name__ != "SafetensorError":
@@ -440,6 +442,17 @@ class BertImplPreTrainedModel(PreTrainedModel):
                 f"the weights in {source} cannot be read ({e}): model.safetensors is truncated or corrupt "
                 "(an interrupted download, copy or save?); download or save it again"
             ) from e
+        # transformers only warns about missing weights and initialises them at random. A new head or
+        # pooler is normal (an encoder checkpoint fine-tuned for a task); a missing encoder weight is not.
+        missing = sorted(k for k in info["missing_keys"] if re.match(r"(bert\.)?(embeddings|layers)\.", k))
+        if missing:
+            raise ValueError(
+                f"the checkpoint in {source} lacks {len(missing)} encoder weight(s) this config needs, e.g. "
+                f"{missing[:4]}; they would start random. Is it a bert_impl checkpoint of this architecture? "
+                "(transformers BERT: convert it with hf_bert_impl.convert.from_hf_bert; to load a partial "
+                "state dict on purpose, use model.load_state_dict(..., strict=False))"
+            )
+        return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, *args, **kwargs):
         """transformers' save, all or nothing: everything is written into a hidden sibling directory first,

@@ -513,3 +513,26 @@ def test_saved_directory_has_the_usual_permissions(tmp_path, debug_config):
     _model(debug_config, 0).save_pretrained(tmp_path / "ckpt")
     mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
     assert mode(tmp_path / "ckpt") == mode(tmp_path / "plain")
+
+
+def test_checkpoint_missing_encoder_weights_is_refused(saved):
+    """Renamed or absent encoder tensors would load as random weights behind a warning."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = saved
+    state = load_file(folder / "model.safetensors")
+    renamed = {("old." + k if k.startswith("layers.1.") else k): v for k, v in state.items()}
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    msg = assert_refused(folder, lambda: BertImplModel.from_pretrained(folder), "lacks 12 encoder weight")
+    assert "layers.1.attn.Wo.bias" in msg
+    print(f"encoder weights missing: {msg}")
+
+
+def test_new_head_and_pooler_on_an_encoder_checkpoint_still_load(tmp_path, debug_config):
+    from hf_bert_impl import BertImplForSequenceClassification
+
+    mlm = BertImplForMaskedLM(debug_config()).eval()
+    mlm.save_pretrained(tmp_path / "mlm")  # no pooler, an MLM head
+    model, info = BertImplForSequenceClassification.from_pretrained(tmp_path / "mlm", output_loading_info=True)
+    assert info["missing_keys"] == {"classifier.weight", "classifier.bias", "bert.pooler.dense.weight", "bert.pooler.dense.bias"}
+    assert torch.equal(model.bert.layers[1].attn.Wqkv.weight, mlm.bert.layers[1].attn.Wqkv.weight)
