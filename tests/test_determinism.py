@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments, set_seed
@@ -18,6 +19,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 99
 # Dropout on, so the runs also have to reproduce the dropout masks.
 CONFIG = dict(vocab_size=VOCAB, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """These tensors are tiny: one thread is fastest, and immune to other processes' load (with two
+    threads on a busy 2-core machine every op waits for the other thread: ~0.3 s per tiny forward)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def init_model(seed):
