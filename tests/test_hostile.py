@@ -15,7 +15,6 @@ mixed contents.
 import hashlib
 import json
 import pickle
-import shutil
 from pathlib import Path
 
 import pytest
@@ -510,7 +509,6 @@ def test_save_into_existing_directory_keeps_other_files(tmp_path, debug_config):
     assert (folder / "checkpoint-5" / "trainer_state.json").exists()
     assert _same(BertImplModel.from_pretrained(folder), new)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    shutil.rmtree(folder)
 
 
 def test_saved_directory_has_the_usual_permissions(tmp_path, debug_config):
