@@ -242,8 +242,7 @@ def test_two_gloo_processes_equal_one_process_over_the_same_global_batches(corpu
     a, b = weights(tmp_path / "ddp"), weights(tmp_path / "single")
     print(f"2 processes vs 1: max |weight diff| {max_weight_diff(a, b):.3e}")
     assert max_weight_diff(a, b) <= 1e-5
-    # Not vacuous: the 3 steps moved the weights far more than the tolerance (lr 0 = the initial weights).
-    load_script("pretrain_mlm").main(pretrain_args(
-        corpus_files, tmp_path / "init", *[x if x != "3e-3" else "0" for x in common], "--per_device_train_batch_size", "4"
-    ))
-    assert max_weight_diff(b, weights(tmp_path / "init")) > 1e-3
+    # Not vacuous: every step had a non-zero gradient and learning rate, and AdamW moves each such
+    # weight by about the learning rate (3e-3) per step, far beyond the 1e-5 tolerance.
+    logs = [h for h in json.loads((tmp_path / "single" / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    assert len(logs) == 3 and all(h["grad_norm"] > 1e-3 and h["learning_rate"] > 0 for h in logs), logs
