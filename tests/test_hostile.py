@@ -543,3 +543,26 @@ def test_new_head_and_pooler_on_an_encoder_checkpoint_still_load(tmp_path, debug
     model, info = BertImplForSequenceClassification.from_pretrained(tmp_path / "mlm", output_loading_info=True)
     assert info["missing_keys"] == {"classifier.weight", "classifier.bias", "bert.pooler.dense.weight", "bert.pooler.dense.bias"}
     assert torch.equal(model.bert.layers[1].attn.Wqkv.weight, mlm.bert.layers[1].attn.Wqkv.weight)
+
+
+def test_tampered_code_files_in_a_checkpoint_are_not_run(saved, tmp_path):
+    """A checkpoint carries our two code files for trust_remote_code users. With this package
+    installed and no trust_remote_code, loading uses the installed classes and never runs them."""
+    import runpy
+
+    from transformers import AutoModel
+
+    folder, model = saved
+    markers = {}
+    for name in ("modeling_bert_impl.py", "configuration_bert_impl.py"):
+        markers[name] = tmp_path / f"ran_{name}.txt"
+        code = folder / name
+        code.write_text(f"open({str(markers[name])!r}, 'w').close()\n" + code.read_text())
+    for load in (lambda: AutoModel.from_pretrained(folder), lambda: BertImplModel.from_pretrained(folder)):
+        loaded = load()
+        assert type(loaded) is BertImplModel and not any(m.exists() for m in markers.values())
+        assert torch.equal(loaded.layers[0].attn.Wqkv.weight, model.layers[0].attn.Wqkv.weight)
+    # The payload is live: running the file creates the marker (then fails on its relative import).
+    with pytest.raises(ImportError):
+        runpy.run_path(str(folder / "modeling_bert_impl.py"))
+    assert markers["modeling_bert_impl.py"].exists()
