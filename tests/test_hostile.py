@@ -1,16 +1,16 @@
 """Hostile inputs and hostile files.
 
 Inputs: hypothesis draws valid configs (sizes, heads, position type, activation, attention backend)
-and valid inputs (lengths, padding patterns, token types, masks of all zeros, bool or int masks)
-and checks that every output is finite; it draws invalid configs and inputs and checks for the
-documented ValueError naming the field or the value.
+and valid inputs (lengths, padding patterns, token types, all-zero masks, int / bool / float masks)
+and checks that every output is finite and padding is invisible; it draws invalid configs and
+inputs and checks for the documented ValueError naming the field or the value.
 
-Files: a truncated or corrupt model.safetensors, config.json of the wrong model type, with a
-required field missing or of the wrong type, a transformers BERT directory, pickled .bin weights
-(one whose payload would create a marker file), and interrupted saves. Each gives a clear error,
-changes no file, and runs no code; an interrupted save never leaves a checkpoint that loads with
-mixed contents.
-"""
+Files: a truncated or corrupt model.safetensors, one lacking encoder tensors, config.json of the
+wrong model type or with a required field missing or of the wrong type, a transformers BERT
+directory, pickled .bin weights and edited code files (each with a payload that would create a
+marker file), and interrupted saves. Each gives a clear error (or is ignored, for code files),
+changes no file and runs no code; an interrupted save never leaves a checkpoint that loads with
+mixed contents."""
 
 import hashlib
 import json
@@ -21,7 +21,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
 from transformers import AutoModel
 
 from hf_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
