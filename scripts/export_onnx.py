@@ -143,6 +143,12 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.model):
         print(f"export_onnx: error: --model {args.model!r} is not a directory", file=sys.stderr)
         return 2
+    if not args.no_check:
+        try:
+            import onnxruntime  # noqa: F401  (fail before the export, not after it)
+        except ImportError:
+            print("export_onnx: error: the check needs onnxruntime: pip install -e '.[test]' (or pass --no_check)", file=sys.stderr)
+            return 2
     if not args.no_check and (not args.check_lengths or min(args.check_lengths) < 1):
         print(f"export_onnx: error: --check_lengths needs positive lengths, got {args.check_lengths}", file=sys.stderr)
         return 2
@@ -158,8 +164,9 @@ def main(argv=None) -> int:
         staging = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(out))
         staged = os.path.join(staging, os.path.basename(out))
         names = export_onnx(model, staged, args.opset)
-    except (ValueError, OSError) as e:
-        print(f"export_onnx: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, ImportError) as e:  # ImportError: onnx / onnxscript missing
+        hint = " (pip install -e '.[test]' brings onnx, onnxscript and onnxruntime)" if isinstance(e, ImportError) else ""
+        print(f"export_onnx: error: {e}{hint}", file=sys.stderr)
         return 2
     try:
         print(f"exported {type(model).__name__} (inputs {list(INPUT_NAMES)}, outputs {names})")
