@@ -15,6 +15,7 @@ Needs the `test` extra (onnx, onnxscript, onnxruntime): pip install -e '.[test]'
 """
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -143,12 +144,9 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.model):
         print(f"export_onnx: error: --model {args.model!r} is not a directory", file=sys.stderr)
         return 2
-    if not args.no_check:
-        try:
-            import onnxruntime  # noqa: F401  (fail before the export, not after it)
-        except ImportError:
-            print("export_onnx: error: the check needs onnxruntime: pip install -e '.[test]' (or pass --no_check)", file=sys.stderr)
-            return 2
+    if not args.no_check and importlib.util.find_spec("onnxruntime") is None:  # fail before the export
+        print("export_onnx: error: the check needs onnxruntime: pip install -e '.[test]' (or pass --no_check)", file=sys.stderr)
+        return 2
     if not args.no_check and (not args.check_lengths or min(args.check_lengths) < 1):
         print(f"export_onnx: error: --check_lengths needs positive lengths, got {args.check_lengths}", file=sys.stderr)
         return 2
