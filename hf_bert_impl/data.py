@@ -5,10 +5,12 @@ The embedded corpus is the Python Language Reference text that ships with every 
 real prose that needs no download, so the scripts run offline anywhere. Its exact text follows the
 Python version that runs the script.
 
-The embedded labelled task ("word order", for the demo's fine-tuning step) is built from the same
-sentences: label 1 = the sentence as written, label 0 = the same words in a random order (seeded).
-Each sentence appears once, either kept or shuffled, and the train / validation / test splits hold
-disjoint sentences.
+Two embedded labelled tasks are built from the same sentences, with labels that come from the
+text itself, never set by hand (each distinct sentence once; train / validation / test splits
+hold disjoint sentences):
+- "statement_topic" (the demo's): 1 when the sentence comes from a section whose title names a
+  statement ('The "with" statement', 'Assignment statements', ...), 0 for every other section.
+- "word_order": 1 = the sentence as written, 0 = the same words in a random order (seeded).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ _HEADING_RULE = re.compile(r"^[*=\-~^\"]{3,}$")
 
 
 def default_corpus_documents() -> list[dict]:
-    """The embedded corpus as documents: [{"topic": str, "paragraphs": [str, ...]}], sorted by topic.
+    """The embedded corpus as documents: [{"topic": str, "title": str, "paragraphs": [str, ...]}],
+    sorted by topic; a paragraph that already appeared under an earlier topic is not repeated.
 
     Keeps prose paragraphs only: indented blocks (grammar rules, code examples, notes' bodies),
     headings and their underlines, and paragraphs without a sentence-like shape are dropped.
@@ -51,17 +54,20 @@ def default_corpus_documents() -> list[dict]:
     from pydoc_data.topics import topics
 
     documents = []
+    seen = set()  # some topics repeat others' text ("else" is "if"; "compound" holds every compound statement)
     for topic in sorted(topics):
         paragraphs = []
+        title = topics[topic].strip().split("\n")[0].strip()
         for block in re.split(r"\n\s*\n", topics[topic]):
             lines = block.split("\n")
             if any(line.startswith("   ") for line in lines) or any(_HEADING_RULE.match(l.strip()) for l in lines):
                 continue
             text = " ".join(line.strip() for line in lines).strip()
-            if len(text.split()) >= 6 and text[-1] in ".:;!?)":
+            if len(text.split()) >= 6 and text[-1] in ".:;!?)" and text not in seen:
+                seen.add(text)
                 paragraphs.append(text)
         if paragraphs:
-            documents.append({"topic": topic, "paragraphs": paragraphs})
+            documents.append({"topic": topic, "title": title, "paragraphs": paragraphs})
     return documents
 
 
@@ -73,17 +79,56 @@ def split_sentences(paragraph: str) -> list[str]:
 def default_corpus_dataset() -> datasets.DatasetDict:
     """The embedded corpus as a DatasetDict with a "text" column, one paragraph per row.
 
-    "validation" holds every 20th topic (whole topics, so no paragraph leaks between splits).
+    "validation" holds whole topics, about 10% of the paragraphs, so no paragraph is in both splits.
     """
     rows = {"train": [], "validation": []}
-    for i, doc in enumerate(default_corpus_documents()):
-        split = "validation" if i % 20 == 7 else "train"
+    for doc in default_corpus_documents():
+        # Whole topics go to validation while it holds under 10% of the paragraphs seen so far.
+        seen = len(rows["train"]) + len(rows["validation"])
+        split = "validation" if seen and len(rows["validation"]) < 0.1 * seen else "train"
         rows[split].extend(doc["paragraphs"])
     return datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in rows.items()})
 
 
+def _corpus_sentences(min_words: int, max_words: int):
+    """(sentence, document) pairs of the embedded corpus, each distinct sentence once, in corpus order."""
+    seen = set()
+    for doc in default_corpus_documents():
+        for paragraph in doc["paragraphs"]:
+            for s in split_sentences(paragraph):
+                words = s.rstrip(".").split()
+                text = " ".join(words)
+                if min_words <= len(words) <= max_words and len(set(words)) > 1 and text not in seen:
+                    seen.add(text)
+                    yield text, doc
+
+
+def _split_80_10_10(rows, features, rng) -> datasets.DatasetDict:
+    rng.shuffle(rows)
+    n = len(rows)
+    cut1, cut2 = int(0.8 * n), int(0.9 * n)
+    return datasets.DatasetDict({
+        name: datasets.Dataset.from_list(part, features=features)
+        for name, part in (("train", rows[:cut1]), ("validation", rows[cut1:cut2]), ("test", rows[cut2:]))
+    })
+
+
+def statement_topic_task(seed: int = 0, min_words: int = 6, max_words: int = 40) -> datasets.DatasetDict:
+    """The demo's labelled task: columns "sentence" and "label": 1 ("statement") when the sentence
+    comes from a Language Reference section whose title names a statement ('The "with" statement',
+    'Assignment statements', ... 20 topics), 0 ("other") for the other sections (expressions, data
+    model, types, literals, ...). The label is read off the section title, never set by hand.
+    Each distinct sentence appears once; splits 80 / 10 / 10 by sentence, shuffled with `seed`."""
+    rows = [{"sentence": text, "label": int("statement" in doc["title"].lower())}
+            for text, doc in _corpus_sentences(min_words, max_words)]
+    features = datasets.Features(
+        {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["other", "statement"])}
+    )
+    return _split_80_10_10(rows, features, random.Random(seed))
+
+
 def word_order_task(seed: int = 0, min_words: int = 6, max_words: int = 30) -> datasets.DatasetDict:
-    """The embedded labelled task: columns "sentence" and "label" (1 = original order, 0 = shuffled).
+    """A harder labelled task: columns "sentence" and "label" (1 = original order, 0 = shuffled).
 
     Every sentence of the corpus with `min_words`..`max_words` words is used once; half of them
     (chosen with `seed`) have their words permuted, with the permutation re-drawn until it differs
@@ -92,17 +137,10 @@ def word_order_task(seed: int = 0, min_words: int = 6, max_words: int = 30) -> d
     80 / 10 / 10 by sentence.
     """
     rng = random.Random(seed)
-    sentences = []
-    for doc in default_corpus_documents():
-        for paragraph in doc["paragraphs"]:
-            for s in split_sentences(paragraph):
-                words = s.rstrip(".").split()
-                if min_words <= len(words) <= max_words and len(set(words)) > 1:
-                    sentences.append(words)
-    unique = list(dict.fromkeys(" ".join(w) for w in sentences))
-    rng.shuffle(unique)
+    texts = [text for text, _ in _corpus_sentences(min_words, max_words)]
+    rng.shuffle(texts)
     rows = []
-    for i, text in enumerate(unique):
+    for i, text in enumerate(texts):
         words = text.split()
         if i % 2 == 0:
             rows.append({"sentence": text, "label": 1})
@@ -111,18 +149,13 @@ def word_order_task(seed: int = 0, min_words: int = 6, max_words: int = 30) -> d
             while shuffled == words:
                 rng.shuffle(shuffled)
             rows.append({"sentence": " ".join(shuffled), "label": 0})
-    n = len(rows)
-    cut1, cut2 = int(0.8 * n), int(0.9 * n)
     features = datasets.Features(
         {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["shuffled", "original"])}
     )
+    return _split_80_10_10(rows, features, rng)
 
-    def make(part):
-        return datasets.Dataset.from_list(part, features=features)
 
-    return datasets.DatasetDict(
-        {"train": make(rows[:cut1]), "validation": make(rows[cut1:cut2]), "test": make(rows[cut2:])}
-    )
+EMBEDDED_TASKS = {"statement_topic": statement_topic_task, "word_order": word_order_task}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ package would (`AutoModelForSequenceClassification.from_pretrained(dir, trust_re
 the model code comes from the directory's own copy), predict a labelled file and print the metrics.
 It does not import hf_bert_impl.
 
-    python scripts/demo_reload.py --model_dir out/demo/word-order --data_file out/demo/word_order_test.jsonl
+    python scripts/demo_reload.py --model_dir outputs/demo/statement-topic --data_file outputs/demo/statement_topic_test.jsonl
 
 When the directory holds the fine-tuning run's predictions.jsonl for the same rows, the reloaded
 model's predictions are compared with them row by row and a mismatch exits with status 1.

@@ -1,10 +1,10 @@
 """Fine-tune hf-bert-impl's BERT for sequence classification (single sentences or pairs; regression
 when the label is a float) or token classification (NER / POS style) with Trainer.
 
-Copy-paste commands (offline; with no data option the embedded word-order task is used, see
+Copy-paste commands (offline; with no data option an embedded task is used, see
 hf_bert_impl/data.py):
 
-    # the demo's task on a model from scripts/pretrain_mlm.py
+    # the demo's task (statement_topic; or --embedded_task word_order) on a model from scripts/pretrain_mlm.py
     python scripts/finetune.py --model_name_or_path out/mlm-tiny --output_dir out/cls --num_train_epochs 3 \
         --per_device_train_batch_size 32 --learning_rate 5e-4 --use_cpu
 
@@ -77,10 +77,12 @@ SENTENCE_KEYS = [
 # Trainer's timing numbers: kept out of the model card's metrics.
 BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch")
 TAG_COLUMNS = ("ner_tags", "tags", "pos_tags", "labels", "label")
-EMBEDDED_TASK = (
-    "embedded word-order task (hf_bert_impl.data.word_order_task): sentences of the Python Language Reference, "
-    "label 1 = as written, 0 = words shuffled"
-)
+EMBEDDED_TASKS = {
+    "statement_topic": "embedded statement-topic task (hf_bert_impl.data.statement_topic_task): sentences of the Python "
+                       "Language Reference, label 1 = from a section titled as a statement, 0 = any other section",
+    "word_order": "embedded word-order task (hf_bert_impl.data.word_order_task): sentences of the Python Language "
+                  "Reference, label 1 = as written, 0 = words shuffled",
+}
 
 
 @dataclass
@@ -101,6 +103,10 @@ class DataArguments:
     train_file: str | None = field(default=None, metadata={"help": "csv, json/jsonl or parquet training file."})
     validation_file: str | None = field(default=None, metadata={"help": "Same formats as --train_file."})
     test_file: str | None = field(default=None, metadata={"help": "Rows to predict (labels optional)."})
+    embedded_task: str = field(
+        default="statement_topic",
+        metadata={"help": "Task used when no data option is given: statement_topic or word_order (hf_bert_impl/data.py)."},
+    )
     sentence1_key: str | None = field(default=None, metadata={"help": "First text column (default: GLUE names)."})
     sentence2_key: str | None = field(default=None, metadata={"help": "Second text column of a pair (optional)."})
     label_column: str = field(default="label", metadata={"help": "Label column (sequence classification)."})
@@ -132,8 +138,11 @@ def load_data(data_args: DataArguments, seed: int):
         return raw, Path(data_args.train_file).name, {k: f"--{k}_file {files[k]}" for k in raw}
     if data_args.validation_file or data_args.test_file:
         raise D.UsageError("--validation_file / --test_file need --train_file")
-    raw = D.word_order_task()  # its own fixed seed: the task stays the same whatever --seed trains it
-    return raw, EMBEDDED_TASK, {k: f"embedded task ({k} split)" for k in raw}
+    if data_args.embedded_task not in D.EMBEDDED_TASKS:
+        raise D.UsageError(f"--embedded_task must be one of {sorted(D.EMBEDDED_TASKS)}, got {data_args.embedded_task!r}")
+    raw = D.EMBEDDED_TASKS[data_args.embedded_task]()  # fixed seed: the task stays the same whatever --seed trains it
+    description = EMBEDDED_TASKS[data_args.embedded_task]
+    return raw, description, {k: f"embedded task {data_args.embedded_task} ({k} split)" for k in raw}
 
 
 def resolve_task(model_args, data_args, train) -> str:

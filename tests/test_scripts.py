@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
-from hf_bert_impl.data import default_corpus_dataset, train_wordpiece_tokenizer, word_order_task
+from hf_bert_impl.data import default_corpus_dataset, statement_topic_task, train_wordpiece_tokenizer, word_order_task
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"
@@ -263,23 +263,24 @@ def test_finetune_early_stopping_stops_when_the_eval_loss_stalls(finetune, files
 
 
 def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_path):
-    """No data option: the embedded word-order task. Then demo_reload.py, in a fresh process that
-    cannot import hf_bert_impl, loads the result through trust_remote_code, predicts the test split
-    and agrees with the fine-tuning run's own predictions on every row."""
+    """No data option: the embedded statement-topic task. Then demo_reload.py, in a fresh process
+    that cannot import hf_bert_impl, loads the result through trust_remote_code, predicts the test
+    split and agrees with the fine-tuning run's own predictions on every row."""
     from .conftest import run_without_package
 
-    out = tmp_path / "wo"
+    out = tmp_path / "topic"
     metrics = finetune.main([
         "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--max_steps", "2",
         "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "128", "--max_seq_length", "48",
         "--save_strategy", "no", *FAST,
     ])
-    task = word_order_task()
+    task = statement_topic_task()
     assert "test_accuracy" in metrics
     facts = json.loads((out / "training_facts.json").read_text())
-    assert facts["dataset"].startswith("embedded word-order task") and facts["labels"] == ["shuffled", "original"]
+    assert facts["dataset"].startswith("embedded statement-topic task") and facts["labels"] == ["other", "statement"]
     predictions = read_jsonl(out / "predictions.jsonl")
     assert [p["sentence"] for p in predictions] == task["test"]["sentence"]
+    assert [p["label"] for p in predictions] == [["other", "statement"][y] for y in task["test"]["label"]]
 
     data_file = tmp_path / "test.jsonl"
     task["test"].to_json(str(data_file))
@@ -295,6 +296,33 @@ def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_pa
     n = len(predictions)
     correct = round(metrics["test_accuracy"] * n)
     assert f"{n} rows of test.jsonl: {correct}/{n} correct" in result.stdout, result.stdout
+
+
+def test_embedded_tasks_labels_come_from_the_text():
+    """statement_topic: label 1 exactly for sentences of sections titled as statements; word_order:
+    label 0 rows are permutations of a real corpus sentence, different from it; splits are disjoint."""
+    from hf_bert_impl.data import _corpus_sentences
+
+    source = dict(_corpus_sentences(6, 40))
+    topic = statement_topic_task()
+    for split in topic.values():
+        for row in split:
+            assert row["label"] == int("statement" in source[row["sentence"]]["title"].lower())
+    assert 0.15 < sum(topic["train"]["label"]) / len(topic["train"]) < 0.85
+
+    order = word_order_task()
+    by_bag = {}
+    for original in source:
+        by_bag.setdefault(tuple(sorted(original.split())), set()).add(original)
+    for row in order["train"]:
+        if row["label"] == 1:
+            assert row["sentence"] in source
+        else:  # the words of one real sentence, in an order that is not that sentence's
+            candidates = by_bag[tuple(sorted(row["sentence"].split()))]
+            assert candidates and row["sentence"] not in candidates
+    for task in (topic, order):
+        sets = [set(task[k]["sentence"]) for k in ("train", "validation", "test")]
+        assert not (sets[0] & sets[1]) and not (sets[0] & sets[2]) and not (sets[1] & sets[2])
 
 
 # ----------------------------------------------------------------------------------------------
