@@ -21,8 +21,8 @@ How this file differs from transformers' BERT
        raise a `ValueError` naming the value instead of an `IndexError` deep inside torch.
     6. Unpadding: a padded batch is gathered once into its real tokens (T, H); the projections,
        LayerNorms and feed-forward run on those only, attention runs per sequence (flash-attention
-       varlen, or SDPA/eager one sequence at a time on views of the fused projection), and the result
-       is scattered back once. The same
+       varlen, or SDPA/eager on a compact padded grid, n sequences x the longest length), and the
+       result is scattered back once. The same
        path takes packed batches from `DataCollatorWithFlattening` (one row, `position_ids`
        restarting at 0): attention never crosses a sequence boundary. Padding positions of
        `last_hidden_state` / `hidden_states` hold zeros (transformers leaves values there that depend
@@ -298,8 +298,8 @@ class BertImplSelfAttention(nn.Module):
 
     def _forward_unpadded(self, hidden_states: torch.Tensor, unpad: "UnpadState", **kwargs) -> torch.Tensor:
         """hidden_states: (T, H), the real tokens only, each sequence's tokens contiguous. Flash-attention
-        takes them as they are (varlen); other backends attend one sequence at a time on views of the
-        fused projection, so no padding is attended and nothing is copied into a padded layout."""
+        takes them as they are (varlen); other backends see them in a compact padded grid (n sequences x
+        the longest length m, not the input's s), scattered in and gathered back once per layer."""
         T = hidden_states.size(0)
         qkv = self.Wqkv(hidden_states)  # (T, 3H)
         impl = self.config._attn_implementation
@@ -313,14 +313,15 @@ class BertImplSelfAttention(nn.Module):
             )
             out, _ = attention_fn(self, q, k, v, None, scaling=self.scaling, dropout=dropout, **kwargs)  # (1, T, h, d)
             return self.Wo(out.reshape(T, -1))  # (T, H)
-        outs = []
-        for start, end in unpad.spans:
-            L = end - start
-            q, k, v = qkv[start:end].view(1, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (1, h, L, d)
-            out, _ = attention_fn(self, q, k, v, None, scaling=self.scaling, dropout=dropout, **kwargs)  # (1, L, h, d)
-            outs.append(out.reshape(L, -1))  # (L, H)
-        out = torch.cat(outs) if outs else qkv.new_zeros(0, qkv.size(1) // 3)  # (T, H)
-        return self.Wo(out)
+        if T == 0:  # every row is padding: nothing to attend
+            return self.Wo(qkv.new_zeros(0, qkv.size(1) // 3))
+        # One padded (n, m) grid for all sequences: four ops per layer whatever n is, which matters
+        # more than the copies on a CPU shared with other work (each parallel op waits for every thread).
+        n, m = len(unpad.cu_seqlens) - 1, unpad.max_seqlen
+        grid = qkv.new_zeros(n * m, qkv.size(1)).index_copy(0, unpad.grid_index, qkv)  # (n*m, 3H)
+        q, k, v = grid.view(n, m, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n, h, m, d)
+        out, _ = attention_fn(self, q, k, v, unpad.grid_mask, scaling=self.scaling, dropout=dropout, **kwargs)  # (n, m, h, d)
+        return self.Wo(out.reshape(n * m, -1).index_select(0, unpad.grid_index))  # (T, H)
 
 
 class BertImplMLP(nn.Module):
@@ -594,38 +595,44 @@ class UnpadState:
     """Where the real tokens of a batch live; built once per forward, read by every layer.
 
     batch_shape: (b, s) of the input. indices: (T,) the real tokens' positions in the flattened (b*s)
-    input, row by row, or None when every position is a token (a packed row). spans: each sequence's
-    [start, end) among the T tokens (non-empty ones only), for attention one sequence at a time;
-    cu_seqlens (n + 1,) int32 and max_seqlen: the same sequences for flash-attention varlen.
+    input, row by row, or None when every position is a token (a packed row). The n sequences, each
+    contiguous among the T tokens: cu_seqlens (n + 1,) int32 and max_seqlen m for flash-attention
+    varlen; for the other backends a compact (n, m) grid: grid_index (T,) each token's slot in it and
+    grid_mask (n, 1, 1, m) its additive mask (0 = token, dtype minimum = empty slot), or None.
     """
 
     batch_shape: tuple[int, int]
     indices: torch.Tensor | None
-    spans: list[tuple[int, int]]
     cu_seqlens: torch.Tensor
     max_seqlen: int
+    grid_index: torch.Tensor
+    grid_mask: torch.Tensor | None
 
     @classmethod
-    def from_padding_mask(cls, attention_mask: torch.Tensor) -> "UnpadState":
+    def from_padding_mask(cls, attention_mask: torch.Tensor, dtype: torch.dtype) -> "UnpadState":
         """A padded batch; any padding pattern (left, right, holes): a row's tokens attend to each other."""
         b, s = attention_mask.shape
         keep = attention_mask.bool()
         indices = keep.flatten().nonzero().squeeze(1)  # (T,) row-major, so each row's tokens are contiguous
-        lengths = keep.sum(1, dtype=torch.int32)  # (b,)
-        return cls._with_lengths((b, s), indices, lengths)
+        return cls._from_lengths((b, s), indices, keep.sum(1), dtype)
 
     @classmethod
-    def from_packed(cls, total: int, starts: torch.Tensor) -> "UnpadState":
+    def from_packed(cls, total: int, starts: torch.Tensor, dtype: torch.dtype) -> "UnpadState":
         """One row of `total` tokens holding sequences back to back; starts: (n,) their first indices."""
         bounds = torch.cat([starts.long(), torch.tensor([total], device=starts.device)])  # (n + 1,)
-        return cls._with_lengths((1, total), None, bounds.diff())
+        return cls._from_lengths((1, total), None, bounds.diff(), dtype)
 
     @classmethod
-    def _with_lengths(cls, batch_shape, indices, lengths) -> "UnpadState":
-        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # (n + 1,)
-        bounds = cu_seqlens.tolist()  # one host sync per forward, not per layer
-        spans = [(a, e) for a, e in zip(bounds[:-1], bounds[1:]) if e > a]
-        return cls(batch_shape, indices, spans, cu_seqlens, int(lengths.max()) if lengths.numel() else 0)
+    def _from_lengths(cls, batch_shape, indices, lengths, dtype) -> "UnpadState":
+        device = lengths.device
+        n, m = lengths.numel(), int(lengths.max()) if lengths.numel() else 0
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))  # (n + 1,)
+        total = int(cu_seqlens[-1])
+        seq = torch.repeat_interleave(torch.arange(n, device=device), lengths)  # (T,) each token's sequence
+        slot = torch.arange(total, device=device) - cu_seqlens[seq]  # (T,) its place in that sequence
+        valid = torch.arange(m, device=device)[None, :] < lengths[:, None]  # (n, m)
+        mask = None if bool(valid.all()) else _additive_padding_mask(valid, dtype)
+        return cls(batch_shape, indices, cu_seqlens.int(), m, seq * m + slot, mask)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """(b, s, ...) -> (T, ...): the real tokens."""
@@ -656,7 +663,7 @@ class BertImplModel(BertImplPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    def _unpad_state(self, input_shape, attention_mask, position_ids, output_attentions, kwargs):
+    def _unpad_state(self, input_shape, attention_mask, position_ids, dtype, output_attentions, kwargs):
         """The token map of the unpadded path (docstring item 6), or None for the padded path: no
         padding, `unpad_inputs=False`, attention probabilities asked for (eager needs the full square),
         a backend without a varlen route (flex), or compiling (the map has data-dependent shapes).
@@ -675,7 +682,7 @@ class BertImplModel(BertImplPreTrainedModel):
             return None
         b, s = input_shape
         if attention_mask is not None and not bool(attention_mask.all()):
-            return UnpadState.from_padding_mask(attention_mask)
+            return UnpadState.from_padding_mask(attention_mask, dtype)
         if b != 1:
             return None
         if cu_seqlens is not None:
@@ -690,7 +697,7 @@ class BertImplModel(BertImplPreTrainedModel):
             starts = _sequence_starts(position_ids)
         else:
             return None
-        return UnpadState.from_packed(s, starts) if starts.numel() > 1 else None
+        return UnpadState.from_packed(s, starts, dtype) if starts.numel() > 1 else None
 
     def _attention_mask(self, attention_mask, embeddings, output_attentions, position_ids=None):
         """Built once per forward in the format the chosen backend wants."""
@@ -731,7 +738,8 @@ class BertImplModel(BertImplPreTrainedModel):
         return_dict = self.config.return_dict if return_dict is None else return_dict
         self._check_model_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         input_shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
-        unpad = self._unpad_state(input_shape, attention_mask, position_ids, output_attentions, kwargs)
+        dtype = self.embeddings.word_embeddings.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
+        unpad = self._unpad_state(input_shape, attention_mask, position_ids, dtype, output_attentions, kwargs)
         if unpad is not None:
             return self._forward_unpadded(
                 unpad, input_ids, token_type_ids, position_ids, inputs_embeds, output_hidden_states, return_dict, **kwargs

@@ -232,7 +232,7 @@ def test_packed_row_equals_each_sequence_alone(debug_config, backend, flash_kwar
     calls = _spy_unpadding(monkeypatch)
     with torch.no_grad():
         got = model(**inputs).last_hidden_state[0]  # (T, H)
-        assert len(calls) == 1 and [e - a for a, e in calls[0].spans] == lengths
+        assert len(calls) == 1 and calls[0].cu_seqlens.diff().tolist() == lengths and calls[0].max_seqlen == 7
         start = 0
         for n, f in zip(lengths, feats):
             alone = model(torch.tensor([f["input_ids"]])).last_hidden_state[0]
