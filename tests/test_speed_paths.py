@@ -6,6 +6,7 @@ Run: pytest tests/test_speed_paths.py -q
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -471,3 +472,62 @@ def test_compile_dynamic_does_not_recompile_per_length(debug_config, fresh_dynam
             if i == 0:  # any later compile is a recompile: make it an error
                 monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     assert fresh_dynamo["stats"]["unique_graphs"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/benchmark.py
+
+
+@functools.cache
+def _benchmark_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
+    spec = importlib.util.spec_from_file_location("benchmark_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_script_checks_outputs_and_writes_json(tmp_path):
+    """One timed pair of the tiny size: the output checks ran and passed, and every reported number is there."""
+    import json
+
+    bench = _benchmark_module()
+    out = tmp_path / "bench.json"
+    bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
+                "--workloads", "fixed,mixed", "--memory", "false", "--json", str(out)])
+    result = json.loads(out.read_text())
+    checks = result["backends"]["sdpa"]["checks"]
+    assert {"fixed_max_abs_diff", "mixed_max_abs_diff", "mlm_loss_abs_diff", "mlm_grad_max_abs_diff"} <= set(checks)
+    assert all(v <= 1e-5 for v in checks.values()), checks
+    rows = result["backends"]["sdpa"]["workloads"]
+    assert set(rows) == {"fixed", "mixed"}
+    assert rows["mixed"]["real_token_fraction"] < 1.0 and rows["fixed"]["real_token_fraction"] == 1.0
+    for row in rows.values():
+        assert row["ratio_median"] > 0 and row["ours"]["tokens_per_s_real"] > 0 and 0 < row["ours"]["mfu"]
+    assert result["matmul_peak_flops"]["best"] > 0 and "| sdpa | mixed |" in result["markdown_table"]
+
+
+def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
+    bench = _benchmark_module()
+    lengths = bench.mixed_lengths(128, 8, torch.Generator().manual_seed(0))
+    assert sorted(lengths) == [16, 32, 48, 64, 80, 96, 112, 128]
+    assert sum(lengths) / (8 * 128) == 0.5625
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--size", "huge"], "--size must be tiny or base, got 'huge'"),
+    (["--workloads", "fixed,train"], "--workloads takes a comma-separated subset of fixed,mixed,mlm"),
+    (["--seq_len", "1000"], "--seq_len must be in [8, 512]"),
+    (["--dtype", "fp16"], "--dtype must be one of ['bf16', 'fp32'], got 'fp16'"),
+])
+def test_benchmark_rejects_bad_arguments(argv, message, capsys):
+    bench = _benchmark_module()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
