@@ -47,7 +47,8 @@ def main(argv=None) -> int:
         print(f"demo_reload.py: error: --data_file {data_file}: missing column(s) {missing}", file=sys.stderr)
         return 2
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The directory's config.json carries auto_map, so even the tokenizer lookup asks for trust_remote_code.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, trust_remote_code=True).eval()
     print(f"loaded {type(model).__name__} from {type(model).__module__} (the directory's own code), "
           f"{model.num_parameters() / 1e6:.2f}M parameters")

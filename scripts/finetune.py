@@ -271,8 +271,14 @@ def main(argv: list[str] | None = None) -> dict:
         if unknown:
             raise D.UsageError(f"{sources[split]}: labels {unknown[:5]} do not occur in the training data {label_names}")
 
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path) if (
-        model_args.tokenizer_name or model_args.model_name_or_path) else None
+    if not model_args.model_name_or_path:
+        raise D.UsageError("--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)")
+    tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    except (OSError, ValueError) as e:
+        flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+        raise D.UsageError(f"{flag} {tokenizer_source}: no tokenizer could be loaded ({str(e).splitlines()[0]})") from e
     if data_args.max_train_samples is not None:
         raw["train"] = raw["train"].select(range(min(len(raw["train"]), data_args.max_train_samples)))
 
@@ -410,7 +416,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "early_stopping_patience": data_args.early_stopping_patience,
                 "metric": metric_name,
             },
-            metrics={k: v for k, v in final.items() if not k.endswith(BOOKKEEPING_SUFFIXES)},
+            # The card's metrics are for one split (validation); test numbers are kept beside them.
+            metrics={k: v for k, v in final.items() if k.startswith("eval_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
+            test_metrics={k: v for k, v in final.items() if k.startswith("test_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
             dataset_config=data_args.dataset_config_name,
             dataset_split="validation" if evaluation is not None else None,
             labels=label_names,

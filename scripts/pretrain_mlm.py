@@ -140,7 +140,12 @@ def load_raw_data(data_args: DataArguments, seed: int):
 
 def load_tokenizer(model_args: ModelArguments, raw, text_column: str, resume_dir: str | None):
     if model_args.tokenizer_name:
-        return AutoTokenizer.from_pretrained(model_args.tokenizer_name)
+        try:
+            return AutoTokenizer.from_pretrained(model_args.tokenizer_name)
+        except (OSError, ValueError) as e:
+            raise D.UsageError(
+                f"--tokenizer_name {model_args.tokenizer_name}: no tokenizer could be loaded ({str(e).splitlines()[0]})"
+            ) from e
     for candidate in (resume_dir, model_args.model_name_or_path):
         if candidate and any((Path(candidate) / f).is_file() for f in ("tokenizer.json", "vocab.txt")):
             return AutoTokenizer.from_pretrained(candidate)

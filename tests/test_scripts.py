@@ -278,6 +278,8 @@ def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_pa
     assert "test_accuracy" in metrics
     facts = json.loads((out / "training_facts.json").read_text())
     assert facts["dataset"].startswith("embedded statement-topic task") and facts["labels"] == ["other", "statement"]
+    assert facts["test_metrics"]["test_accuracy"] == pytest.approx(metrics["test_accuracy"])
+    assert facts["dataset_split"] == "validation" and all(k.startswith("eval_") for k in facts["metrics"])
     predictions = read_jsonl(out / "predictions.jsonl")
     assert [p["sentence"] for p in predictions] == task["test"]["sentence"]
     assert [p["label"] for p in predictions] == [["other", "statement"][y] for y in task["test"]["label"]]
