@@ -8,6 +8,10 @@ Copy-paste commands:
     # the published CPU table (bert-base, sequence 128, batch 8, fp32; a few minutes on 2 cores)
     python scripts/benchmark.py --size base --json benchmarks/cpu_base_fp32.json
 
+    # the same with one torch thread, and with our linear layers on torch's BLAS (the breakdown)
+    python scripts/benchmark.py --size base --threads 1 --json benchmarks/cpu_base_fp32_1thread.json
+    python scripts/benchmark.py --size base --onednn_linear false --json benchmarks/cpu_base_fp32_blas_linear.json
+
     # bf16, or on a GPU (also against transformers' flash-attention when flash-attn is installed)
     python scripts/benchmark.py --size base --dtype bf16
     python scripts/benchmark.py --size base --dtype bf16 --device cuda --backends sdpa,flash_attention_2 \
