@@ -37,12 +37,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import transformers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-import hf_bert_impl
 from hf_bert_impl import SIZE_PRESETS, BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining
 from hf_bert_impl import data as D
 
