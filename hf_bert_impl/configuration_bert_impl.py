@@ -71,6 +71,15 @@ class BertImplConfig(PretrainedConfig):
         classifier_dropout: dropout before classification heads (None: `hidden_dropout_prob`).
         position_embedding_type: "sinusoidal" (PE(pos, 2i) = sin(pos / 10000^{2i/d}),
             PE(pos, 2i+1) = cos(...), not stored in checkpoints) or "learned" (a trained table).
+
+    Speed switches (they change how the same numbers are computed, never the formula):
+        unpad_inputs: on padded batches run the linear layers, LayerNorms and feed-forward only on
+            real tokens (padding positions of the outputs are zeros). Default True.
+        sparse_prediction: when MLM labels are given, run the decoder only on labelled positions;
+            `logits` is then (n_labelled, V). Default False (transformers' full (b, s, V) logits);
+            `scripts/pretrain_mlm.py` turns it on while training.
+        onednn_linear: float32 CPU linear layers use oneDNN's GEMM instead of the BLAS behind
+            torch.mm (checked against F.linear once at import; off where unavailable). Default True.
     """
 
     model_type = "bert_impl"
@@ -92,6 +101,9 @@ class BertImplConfig(PretrainedConfig):
         pad_token_id=0,
         classifier_dropout=None,
         position_embedding_type="sinusoidal",
+        unpad_inputs=True,
+        sparse_prediction=False,
+        onednn_linear=True,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -108,6 +120,9 @@ class BertImplConfig(PretrainedConfig):
         self.layer_norm_eps = layer_norm_eps
         self.classifier_dropout = classifier_dropout
         self.position_embedding_type = position_embedding_type
+        self.unpad_inputs = unpad_inputs
+        self.sparse_prediction = sparse_prediction
+        self.onednn_linear = onednn_linear
         kwargs.setdefault("tie_word_embeddings", True)
         kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(pad_token_id=pad_token_id, **kwargs)
@@ -178,6 +193,9 @@ class BertImplConfig(PretrainedConfig):
                 f"BertImplConfig.position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
                 f"got {self.position_embedding_type!r}{hint}"
             )
+        for field in ("unpad_inputs", "sparse_prediction", "onednn_linear"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"BertImplConfig.{field} must be True or False, got {getattr(self, field)!r}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"BertImplConfig.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         for field in ("initializer_range", "layer_norm_eps"):

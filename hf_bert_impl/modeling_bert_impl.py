@@ -74,10 +74,28 @@ from .configuration_bert_impl import BertImplConfig
 
 IGNORE_INDEX = -100
 
-try:  # oneDNN's fp32 GEMM (what torch.compile's CPU backend uses for linear layers); absent in some builds
-    _ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
-except (AttributeError, RuntimeError):
-    _ONEDNN_LINEAR = None
+def _find_onednn_linear():
+    """oneDNN's fp32 GEMM (what torch.compile's CPU backend uses for linear layers), or None.
+
+    It is a torch-internal op, so it is used only if it exists in this torch build and reproduces
+    F.linear on a probe at import; anything else (absent, renamed, a changed signature) means the
+    plain nn.Linear path, which computes the same formula."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return None
+        op = torch.ops.mkldnn._linear_pointwise
+        g = torch.Generator().manual_seed(0)
+        x, w, b = torch.randn(5, 8, generator=g), torch.randn(3, 8, generator=g), torch.randn(3, generator=g)
+        ok = torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        ok = ok and torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        y = torch.randn(5, 3, generator=g)  # the backward passes transposed (non-contiguous) weights
+        ok = ok and torch.allclose(op(y, w.t(), None, "none", [], ""), F.linear(y, w.t()), atol=1e-5, rtol=1e-5)
+        return op if ok else None
+    except Exception:  # noqa: BLE001  any failure of an internal op means: do not use it
+        return None
+
+
+_ONEDNN_LINEAR = _find_onednn_linear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,7 +215,7 @@ class BertImplLinear(nn.Linear):
             and x.device.type == "cpu"
             and type(self.weight) in (torch.Tensor, nn.Parameter)
             and self.weight.dtype == torch.float32
-            and getattr(self.config, "onednn_linear", True)
+            and self.config.onednn_linear
             and x.numel() > 0
             and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling()
@@ -674,7 +692,7 @@ class BertImplModel(BertImplPreTrainedModel):
             kwargs.pop(name, None)
         impl = self.config._attn_implementation
         if (
-            not getattr(self.config, "unpad_inputs", True)
+            not self.config.unpad_inputs
             or output_attentions
             or torch.compiler.is_compiling()
             or not (impl in ("eager", "sdpa") or _is_flash(impl))
@@ -805,7 +823,7 @@ def _mlm_logits_and_loss(model, sequence_output, labels, num_items_in_batch):
             f"labels have shape {tuple(labels.shape)} but the input has shape {tuple(sequence_output.shape[:-1])}; "
             "pass one label per token (-100 where there is nothing to predict)"
         )
-    if getattr(model.config, "sparse_prediction", False) and not torch.compiler.is_compiling():
+    if model.config.sparse_prediction and not torch.compiler.is_compiling():
         labels = labels.reshape(-1)
         keep = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
         hidden = sequence_output.reshape(-1, sequence_output.size(-1)).index_select(0, keep)  # (n, H)

@@ -63,6 +63,11 @@ class ModelArguments:
         default=None, metadata={"help": "A fast BERT tokenizer (name or path). Default: the model's, else a WordPiece trained on the corpus."}
     )
     tokenizer_vocab_size: int = field(default=8000, metadata={"help": "Vocabulary size of the WordPiece tokenizer trained when none is given."})
+    sparse_prediction: bool = field(
+        default=True,
+        metadata={"help": "While training, run the MLM decoder only on masked positions (same loss, less work). "
+                          "The saved model returns full (batch, seq, vocab) logits as usual."},
+    )
 
 
 @dataclass
@@ -203,7 +208,10 @@ def preprocess_logits_for_metrics(logits, labels):
 
 
 def compute_metrics(eval_pred):
-    """masked_accuracy: share of masked positions whose argmax is the original token (+ nsp_accuracy)."""
+    """masked_accuracy: share of masked positions whose argmax is the original token (+ nsp_accuracy).
+
+    With sparse prediction the predictions are already one per masked position, in the row-major
+    order of `labels != -100` (batches are concatenated in order, so the order holds across them)."""
     preds, labels = eval_pred.predictions, eval_pred.label_ids
     metrics = {}
     if isinstance(preds, tuple):
@@ -212,7 +220,13 @@ def compute_metrics(eval_pred):
         if nsp_labels is not None:
             metrics["nsp_accuracy"] = float((nsp_preds.reshape(-1) == nsp_labels.reshape(-1)).mean())
     mask = labels != D.IGNORE_INDEX
-    metrics["masked_accuracy"] = float((preds[mask] == labels[mask]).mean()) if mask.any() else float("nan")
+    if not mask.any():
+        metrics["masked_accuracy"] = float("nan")
+        return metrics
+    masked_preds = preds if preds.ndim == 1 else preds[mask]
+    if masked_preds.shape[0] != int(mask.sum()):
+        raise ValueError(f"{masked_preds.shape[0]} predictions for {int(mask.sum())} masked positions")
+    metrics["masked_accuracy"] = float((masked_preds == labels[mask]).mean())
     return metrics
 
 
@@ -291,7 +305,9 @@ def main(argv: list[str] | None = None) -> dict:
         compute_metrics=compute_metrics if evaluation is not None else None,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics if evaluation is not None else None,
     )
+    model.config.sparse_prediction = model_args.sparse_prediction
     train_result = trainer.train(resume_from_checkpoint=resume)
+    model.config.sparse_prediction = False  # what users of the saved model expect: full logits
     trainer.save_model()
     trainer.save_state()
     metrics = dict(train_result.metrics)

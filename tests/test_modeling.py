@@ -41,6 +41,9 @@ ATOL = 1e-5  # float32, unit-scale activations (design.md)
         (dict(hidden_act="gelu_fancy"), "hidden_act"),
         (dict(layer_norm_eps=0), "layer_norm_eps"),
         (dict(pad_token_id=500), "pad_token_id"),
+        (dict(unpad_inputs="yes"), "unpad_inputs"),
+        (dict(sparse_prediction=1), "sparse_prediction"),
+        (dict(onednn_linear=None), "onednn_linear"),
     ],
 )
 def test_invalid_config_names_field_and_value(overrides, field):

@@ -372,3 +372,42 @@ def test_bad_train_file_on_the_real_command_line(files, tmp_path):
     assert result.returncode == 2
     lines = [l for l in result.stderr.splitlines() if l.strip()]
     assert lines == [f"finetune.py: error: --train_file {tmp_path / 'nope.jsonl'}: no such file"], result.stderr
+
+
+def test_masked_accuracy_is_the_same_with_sparse_and_full_predictions(pretrain):
+    """pretrain_mlm trains with sparse prediction (one logit row per masked position) and evaluates
+    the saved model with full logits: both layouts must score the same positions the same way."""
+    from transformers import EvalPrediction
+
+    from hf_bert_impl.data import IGNORE_INDEX
+
+    torch.manual_seed(0)
+    config = BertImplConfig.from_preset("debug", vocab_size=50, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertImplForMaskedLM(config).eval()
+    batches = []
+    for _ in range(3):  # Trainer concatenates evaluation batches in order
+        ids = torch.randint(1, 50, (4, 9))
+        labels = torch.where(torch.rand(4, 9) < 0.3, ids, torch.full_like(ids, IGNORE_INDEX))
+        labels[0, 0] = ids[0, 0]
+        batches.append((ids, labels))
+    results = {}
+    for sparse in (False, True):
+        model.config.sparse_prediction = sparse
+        with torch.no_grad():
+            preds = [pretrain.preprocess_logits_for_metrics(model(ids, labels=labels).logits, labels)
+                     for ids, labels in batches]
+        assert preds[0].ndim == (1 if sparse else 2)
+        results[sparse] = pretrain.compute_metrics(
+            EvalPrediction(predictions=torch.cat(preds).numpy(), label_ids=torch.cat([l for _, l in batches]).numpy())
+        )
+    assert results[True] == results[False]
+    assert 0.0 <= results[True]["masked_accuracy"] <= 1.0
+
+
+def test_saved_pretraining_output_returns_full_logits(tmp_path, pretrain):
+    """Sparse prediction is a training-time switch: the saved config has it off."""
+    pretrain.main(["--output_dir", str(tmp_path / "out"), "--model_size", "debug", "--tokenizer_vocab_size", "300",
+                   "--max_seq_length", "32", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                   "--save_strategy", "no", *FAST])
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["sparse_prediction"] is False
