@@ -30,7 +30,13 @@ from .configuration_bert_impl import AUTO_MAP
 NOT_RECORDED = "not recorded"
 FACTS_FILE = "training_facts.json"
 CARD_FILE = "README.md"
-TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md"
+# A wheel install ships the template inside the package (pyproject's package-dir mapping); a source
+# checkout or editable install has it at the repository root.
+TEMPLATE_PATH = next(
+    (p for p in (Path(__file__).resolve().parent / "model_cards" / "model_card.md",
+                 Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md") if p.is_file()),
+    Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md",
+)
 CODE_FILES = ("configuration_bert_impl.py", "modeling_bert_impl.py")
 # Tokenizer files copied verbatim when present: a fast tokenizer (tokenizer.json) or a WordPiece
 # vocabulary (vocab.txt) is required, the rest describes special tokens and the tokenizer class.
