@@ -20,9 +20,13 @@ import re
 import sys
 from pathlib import Path
 
+import json
+import os
+
 import datasets
+import numpy as np
 import torch
-from transformers import BertTokenizerFast, DataCollatorForLanguageModeling
+from transformers import BertTokenizerFast, DataCollatorForLanguageModeling, TrainerCallback
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 IGNORE_INDEX = -100
@@ -263,16 +267,27 @@ class MLMCollator:
     "labels" (masked once by `mask_once`) are only padded, so evaluation sees the same masks every
     time and runs that must compare (gradient accumulation, many processes) see the same batches."""
 
-    def __init__(self, tokenizer, mlm_probability: float = 0.15, whole_word_mask: bool = False, pad_to_multiple_of=None):
+    def __init__(self, tokenizer, mlm_probability: float = 0.15, whole_word_mask: bool = False, pad_to_multiple_of=None,
+                 seed: int | None = None, rank: int = 0):
         self.tokenizer = tokenizer
         self.mlm = DataCollatorForLanguageModeling(
             tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask,
             pad_to_multiple_of=pad_to_multiple_of,
         )
+        # With a seed, batch k of this process is masked from its own seed (seed, rank, k) instead of
+        # the global RNG, so a resumed run (`MaskingResumeCallback` sets k) masks every batch as the
+        # uninterrupted run did, whatever the data loader prefetched before the checkpoint.
+        self.seed, self.rank, self.batches_made = seed, rank, 0
 
     def __call__(self, features):
         if "labels" not in features[0]:
-            return self.mlm(features)
+            if self.seed is None:
+                return self.mlm(features)
+            batch_seed = np.random.SeedSequence([self.seed, self.rank, self.batches_made]).generate_state(1)[0]
+            self.batches_made += 1
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(batch_seed))
+                return self.mlm(features)
         labels = [list(f["labels"]) for f in features]
         rest = [{k: v for k, v in f.items() if k not in ("labels", "special_tokens_mask", "offset_mapping")}
                 for f in features]
@@ -280,6 +295,41 @@ class MLMCollator:
         width = batch["input_ids"].shape[1]
         batch["labels"] = torch.tensor([l + [IGNORE_INDEX] * (width - len(l)) for l in labels])
         return batch
+
+
+class MaskingResumeCallback(TrainerCallback):
+    """Exact resume with per-batch masking. Trainer (transformers 5.24) restores the global RNG only
+    after it has fetched the first batch past a checkpoint, so a collator drawing masks from the global
+    RNG masks that batch differently than the uninterrupted run. This callback counts the training
+    batches consumed, writes the count into every checkpoint (`masking_state.json`), and on resume
+    sets the seeded `MLMCollator` to continue at that batch. Needs `dataloader_num_workers=0` (the
+    default): with worker processes each worker holds its own copy of the collator."""
+
+    FILE = "masking_state.json"
+
+    def __init__(self, collator: MLMCollator, resume_from: str | None = None):
+        self.collator, self.resume_from, self.consumed = collator, resume_from, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.resume_from is None:
+            return
+        path = os.path.join(self.resume_from, self.FILE)
+        if not os.path.isfile(path):
+            raise UsageError(f"{self.resume_from} has no {self.FILE}: it was not written by this script with per-batch "
+                             "masking, so the resumed run cannot mask the next batches as the interrupted one would")
+        self.consumed = json.loads(Path(path).read_text())["batches_consumed"]
+        self.collator.batches_made = self.consumed
+
+    def on_substep_end(self, args, state, control, **kwargs):  # a micro-batch inside gradient accumulation
+        self.consumed += 1
+
+    def on_step_end(self, args, state, control, **kwargs):  # the micro-batch that ends an optimizer step
+        self.consumed += 1
+
+    def on_save(self, args, state, control, **kwargs):
+        if args.process_index == 0:
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            Path(folder, self.FILE).write_text(json.dumps({"batches_consumed": self.consumed}))
 
 
 def mask_once(dataset, tokenizer, seed: int, mlm_probability: float = 0.15, whole_word_mask: bool = False):

@@ -295,13 +295,16 @@ def main(argv: list[str] | None = None) -> dict:
     # the model's forward does not take; every column of these datasets is meant for the collator or model.
     training_args.remove_unused_columns = False
 
+    collator = D.MLMCollator(tokenizer, data_args.mlm_probability, data_args.whole_word_mask,
+                             seed=training_args.seed, rank=training_args.process_index)
     trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=train,
         eval_dataset=evaluation,
         processing_class=tokenizer,
-        data_collator=D.MLMCollator(tokenizer, data_args.mlm_probability, data_args.whole_word_mask),
+        data_collator=collator,
+        callbacks=[D.MaskingResumeCallback(collator, resume)],
         compute_metrics=compute_metrics if evaluation is not None else None,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics if evaluation is not None else None,
     )

@@ -176,17 +176,18 @@ class _Killed(RuntimeError):
     pass
 
 
-def test_resume_from_checkpoint_gives_the_uninterrupted_weights(corpus_files, tmp_path, monkeypatch):
+@pytest.mark.parametrize("masking", [[], ["--static_masking"]], ids=["per-batch-masking", "static-masking"])
+def test_resume_from_checkpoint_gives_the_uninterrupted_weights(corpus_files, tmp_path, monkeypatch, masking):
     """Run A: 6 steps uninterrupted. Run B: the same command dies right after its step-3
     checkpoint is written (an exception from on_save, as a kill would leave the directory), then
     the same command with --resume_from_checkpoint true finishes it. Dropout stays on, so data
-    order, optimizer, scheduler and dropout RNG must all be restored. Masking is static
-    (--static_masking): Trainer restores the RNG only after it has fetched the first batch after the
-    resume point, so a collator that masks with the global RNG draws that one batch differently (see
-    the README's training section). Tolerance: max |diff| <= 1e-7 (the same float ops in the same order)."""
+    order, optimizer, scheduler and dropout RNG must all be restored; with per-batch masking so must
+    the masks (Trainer restores the global RNG only after fetching the first batch past the resume
+    point, so the collator masks batch k from its own seed and `MaskingResumeCallback` restores k).
+    Tolerance: max |diff| <= 1e-7 (the same float ops in the same order)."""
     script = load_script("pretrain_mlm")
     common = ["--max_steps", "6", "--save_steps", "3", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3",
-              "--static_masking"]
+              *masking]
     script.main(pretrain_args(corpus_files, tmp_path / "full", *common))
 
     class KillAfterFirstCheckpoint(TrainerCallback):
