@@ -40,6 +40,17 @@ class UsageError(ValueError):
     one line and exit with status 2 instead of a traceback."""
 
 
+def run_cli(main) -> int:
+    """Run a script's `main()`; a UsageError (bad file, bad option) becomes one line on stderr and exit
+    status 2, as argparse does, instead of a traceback."""
+    try:
+        main()
+    except UsageError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(])")
 _HEADING_RULE = re.compile(r"^[*=\-~^\"]{3,}$")
 

@@ -461,14 +461,5 @@ def write_predictions(path, raw_split, predictions, task, is_regression, label_n
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def cli() -> int:
-    try:
-        main()
-    except D.UsageError as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(D.run_cli(main))

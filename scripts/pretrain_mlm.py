@@ -357,14 +357,5 @@ def main(argv: list[str] | None = None) -> dict:
     return eval_metrics
 
 
-def cli() -> int:
-    try:
-        main()
-    except D.UsageError as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(D.run_cli(main))

@@ -21,16 +21,6 @@ VOCAB = 99
 CONFIG = dict(vocab_size=VOCAB, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """These tensors are tiny: one thread is fastest, and immune to other processes' load (with two
-    threads on a busy 2-core machine every op waits for the other thread: ~0.3 s per tiny forward)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def init_model(seed):
     set_seed(seed)
     return BertImplForMaskedLM(BertImplConfig.from_preset("debug", **CONFIG))

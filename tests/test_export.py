@@ -23,15 +23,6 @@ _spec.loader.exec_module(export_onnx)
 MAX_POS = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """These tensors are tiny: one thread is fastest, and immune to other processes' load (with two
-    threads on a busy 2-core machine every op waits for the other thread: ~0.3 s per tiny forward)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 def make(cls, debug_config, position):
     torch.manual_seed(0)
     return cls(debug_config(position_embedding_type=position, max_position_embeddings=MAX_POS)).eval()

@@ -32,16 +32,6 @@ INVALID_EXAMPLES = 300
 HYPO = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """These tensors are tiny: one thread is fastest, and immune to other processes' load (with two
-    threads on a busy 2-core machine every op waits for the other thread: ~0.3 s per tiny forward)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ----------------------------------------------------------------------------------------------
 # Hostile inputs
 
