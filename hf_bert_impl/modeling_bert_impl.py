@@ -417,6 +417,12 @@ class BertImplPreTrainedModel(PreTrainedModel):
     # the masked-LM heads override this to take `num_items_in_batch` instead.
     accepts_loss_kwargs = False
 
+    def __init__(self, config: BertImplConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        # Tags for the cards transformers writes (Trainer.push_to_hub, push_to_hub): the Hub lists the
+        # repository as remote code. A per-instance list: add_model_tags appends to it.
+        self.model_tags = ["bert_impl", "custom_code"]
+
     def _init_weights(self, module):
         """normal(0, initializer_range) weights, zero biases, LayerNorm (1, 0); the sinusoidal table
         recomputed. The `init` functions skip tensors loaded from a checkpoint."""

@@ -463,6 +463,10 @@ def test_trainer_push_to_hub_uploads_a_loadable_remote_code_repository(trainer_u
     config = json.loads((trainer_upload.folder / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["BertImplForSequenceClassification"]
     assert [c[0] for c in trainer_upload.hub.calls] == ["create_repo", "upload_folder"]
+    from huggingface_hub import ModelCard
+
+    card = ModelCard((trainer_upload.folder / "README.md").read_text())
+    assert {"bert_impl", "custom_code"} <= set(card.data.tags or []), card.data.tags  # listed as remote code
     # the loading itself is checked through the Hub server in test_load_back_through_a_hub_server
 
 
