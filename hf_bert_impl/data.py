@@ -40,6 +40,25 @@ class UsageError(ValueError):
     one line and exit with status 2 instead of a traceback."""
 
 
+def parse_script_arguments(dataclass_types, argv, logger):
+    """The training scripts' arguments through HfArgumentParser: a single .json path on the command line
+    (transformers' example convention) or the flags; then logging (info on the main process only)."""
+    import logging
+
+    import transformers
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(dataclass_types)
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        parsed = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    logger.setLevel(logging.INFO if parsed[-1].should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity_warning()
+    return parsed
+
+
 def run_cli(main) -> int:
     """Run a script's `main()`; a UsageError (bad file, bad option) becomes one line on stderr and exit
     status 2, as argparse does, instead of a traceback."""

@@ -43,7 +43,6 @@ V vocabulary, c choices.
 This file travels to the Hub: it imports only torch, transformers and `.configuration_bert_impl`.
 """
 
-import math
 import os
 import re
 import shutil

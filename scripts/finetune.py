@@ -44,14 +44,12 @@ from pathlib import Path
 import datasets
 import evaluate
 import numpy as np
-import transformers
 from transformers import (
     AutoConfig,
     AutoTokenizer,
     DataCollatorForTokenClassification,
     DataCollatorWithPadding,
     EarlyStoppingCallback,
-    HfArgumentParser,
     Trainer,
     TrainingArguments,
     set_seed,
@@ -225,14 +223,9 @@ def load_model(model_args, model_class, **config_kwargs):
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the fine-tuning; returns the final metrics (eval_* and, when the test split has labels, test_*)."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
-    else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
-    transformers.utils.logging.set_verbosity_warning()
+    model_args, data_args, training_args = D.parse_script_arguments(
+        (ModelArguments, DataArguments, TrainingArguments), argv, logger
+    )
     if data_args.early_stopping_patience is not None and not training_args.load_best_model_at_end:
         raise D.UsageError(
             "--early_stopping_patience needs --load_best_model_at_end with matching --eval_strategy / --save_strategy"

@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import transformers
-from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, set_seed
+from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_bert_impl import SIZE_PRESETS, BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining
@@ -232,15 +230,9 @@ def compute_metrics(eval_pred):
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the pretraining; returns the final evaluation metrics (empty without validation data)."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
-    else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
-    transformers.utils.logging.set_verbosity_warning()
+    model_args, data_args, training_args = D.parse_script_arguments(
+        (ModelArguments, DataArguments, TrainingArguments), argv, logger
+    )
     if data_args.nsp and data_args.whole_word_mask:
         raise D.UsageError("--whole_word_mask is supported for MLM blocks only, not with --nsp")
     if not 0.0 < data_args.mlm_probability < 1.0:

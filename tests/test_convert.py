@@ -16,7 +16,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import hf_bert_impl
-from hf_bert_impl import BertImplConfig, sinusoidal_position_encoding
+from hf_bert_impl import sinusoidal_position_encoding
 from hf_bert_impl.convert import ARCHITECTURES, HF_TO_BERT_IMPL, JOINED_QKV, from_hf_bert, to_hf_bert
 
 from .conftest import BATCH, REPO_ROOT, SEQ, VOCAB, run_without_package

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments, set_seed
