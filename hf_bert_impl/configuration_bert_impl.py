@@ -5,10 +5,33 @@ Field names and defaults follow `transformers.BertConfig` (bert-base sizes), plu
 table, as in Google's BERT). Every field is validated at construction; a bad value raises a
 `ValueError` that names the field, the value and what is accepted.
 
-This file travels to the Hub beside `modeling_bert_impl.py`: it imports only transformers.
+This file travels to the Hub beside `modeling_bert_impl.py`: it imports only transformers. Both
+files run on transformers 4.57.x and 5.x; an older transformers gets one ImportError naming the
+version needed (`require_transformers`), raised here because transformers imports this file first.
 """
 
+import re
+
+import transformers
 from transformers import PretrainedConfig
+
+# The oldest transformers the two Hub files run on (4.57 is the last v4 line). Checked at import.
+MIN_TRANSFORMERS = (4, 57, 0)
+
+
+def require_transformers(version: str = transformers.__version__) -> None:
+    """Raise one ImportError naming the transformers needed when `version` is older than
+    MIN_TRANSFORMERS (instead of an ImportError of some name a newer transformers added)."""
+    found = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+    if found < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ImportError(
+            f"this bert_impl model needs transformers>={need} (4.57.x or any 5.x), but transformers {version} "
+            f"is installed; upgrade it: pip install -U 'transformers>={need}'"
+        )
+
+
+require_transformers()
 
 POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned")
 # Activations the feed-forward block accepts (names from transformers.activations.ACT2FN).

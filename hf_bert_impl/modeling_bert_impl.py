@@ -52,10 +52,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .configuration_bert_impl import BertImplConfig  # first: it refuses a too-old transformers with one clear error
+
 from transformers import PreTrainedModel
-from transformers import initialization as init
+from transformers import masking_utils
 from transformers.activations import ACT2FN
-from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPooling,
@@ -69,9 +71,48 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 
-from .configuration_bert_impl import BertImplConfig
-
 IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers 4.57 / 5.x compatibility: one named shim per API that differs; the rest of the file
+# has one code path. Each shim uses the newer API when it exists.
+
+try:  # 5.x: init functions that skip tensors loaded from a checkpoint
+    from transformers import initialization as _hf_init
+except ImportError:  # 4.57: _init_weights runs only on modules whose weights were not loaded
+    _hf_init = None
+
+
+def _init_copy_(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """tensor <- value at initialisation (transformers.initialization.copy_ where it exists)."""
+    if _hf_init is not None:
+        _hf_init.copy_(tensor, value)
+    else:
+        with torch.no_grad():
+            tensor.copy_(value)
+
+
+def _attention_function(impl: str | None):
+    """The attention function registered for `impl`, eager_attention_forward for "eager"
+    (AttentionInterface.get_interface from 5.x on; the registry lookup before that)."""
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+    return eager_attention_forward if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _bidirectional_mask(config, embeddings: torch.Tensor, attention_mask: torch.Tensor):
+    """The padding mask in the format of flash / flex attention (masking_utils.create_bidirectional_mask,
+    5.x). 4.57 lacks it: flash takes the 2-D mask itself, flex a BlockMask from the same mask functions."""
+    if hasattr(masking_utils, "create_bidirectional_mask"):
+        return masking_utils.create_bidirectional_mask(config=config, inputs_embeds=embeddings, attention_mask=attention_mask)
+    if "flash" in config._attn_implementation:
+        return attention_mask.bool()
+    s = embeddings.size(1)
+    return masking_utils.flex_attention_mask(
+        batch_size=embeddings.size(0), cache_position=torch.arange(s, device=embeddings.device), kv_length=s,
+        mask_function=lambda b, h, q, kv: torch.ones_like(q, dtype=torch.bool), attention_mask=attention_mask.bool(),
+    )
 
 def _find_onednn_linear():
     """oneDNN's fp32 GEMM (what torch.compile's CPU backend uses for linear layers), or None.
@@ -300,7 +341,7 @@ class BertImplSelfAttention(nn.Module):
         if output_attentions:
             attention_fn = eager_attention_forward  # the only backend that materialises probabilities
         else:
-            attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+            attention_fn = _attention_function(self.config._attn_implementation)
         out, probs = attention_fn(
             self,
             q,
@@ -320,7 +361,7 @@ class BertImplSelfAttention(nn.Module):
         T = hidden_states.size(0)
         qkv = self.Wqkv(hidden_states)  # (T, 3H)
         impl = self.config._attn_implementation
-        attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+        attention_fn = _attention_function(impl)
         dropout = self.attention_dropout if self.training else 0.0
         if _is_flash(impl):
             q, k, v = qkv.view(1, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (1, h, T, d)
@@ -428,7 +469,7 @@ class BertImplPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, BertImplEmbeddings) and hasattr(module, "position_encoding"):
             pe = sinusoidal_position_encoding(module.position_encoding.size(0), module.position_encoding.size(1))
-            init.copy_(module.position_encoding, pe)
+            _init_copy_(module.position_encoding, pe)
 
     # Weight files transformers writes or reads (shards and indexes included): pickled ones, and the
     # ones a previous save leaves behind.
@@ -737,7 +778,7 @@ class BertImplModel(BertImplPreTrainedModel):
         if output_attentions or self.config._attn_implementation in ("eager", "sdpa"):
             return _additive_padding_mask(attention_mask, embeddings.dtype)
         # flash_attention_2 takes the 2-D mask (and unpads), flex_attention a BlockMask.
-        return create_bidirectional_mask(config=self.config, inputs_embeds=embeddings, attention_mask=attention_mask)
+        return _bidirectional_mask(self.config, embeddings, attention_mask)
 
     def forward(
         self,
