@@ -127,6 +127,39 @@ TOKENIZER_FILES = (
 )
 
 
+# A sentence-transformers model directory: these files beside the weights, plus one folder per
+# module that modules.json lists with a path (1_Pooling/, 2_Normalize/, ...). The module at path ""
+# is the transformer itself (the weights and config.json the conversion rewrites).
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+def copy_sentence_transformers_files(source_dir: str | Path, out: str | Path) -> list[str]:
+    """Copy a sentence-transformers model's own files (modules.json, its settings such as
+    max_seq_length, and the Pooling / Normalize / Dense module folders) from `source_dir` to `out`,
+    so the converted checkpoint loads with `SentenceTransformer(out)` as the original did. Returns
+    the names copied; [] when `source_dir` is not a sentence-transformers model (no modules.json)."""
+    import shutil
+
+    source_dir, out = Path(source_dir), Path(out)
+    if not (source_dir / "modules.json").is_file():
+        return []
+    try:
+        modules = json.loads((source_dir / "modules.json").read_text())
+        paths = [m["path"] for m in modules]
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{source_dir / 'modules.json'} is not a sentence-transformers module list ({e})") from e
+    copied = []
+    for name in SENTENCE_TRANSFORMERS_FILES:
+        if (source_dir / name).is_file():
+            shutil.copy2(source_dir / name, out / name)
+            copied.append(name)
+    for path in paths:
+        if path and (source_dir / path).is_dir():  # Normalize has no files, so often no folder
+            shutil.copytree(source_dir / path, out / path, dirs_exist_ok=True)
+            copied.append(path + "/")
+    return copied
+
+
 def _pattern(template: str) -> re.Pattern:
     return re.compile(re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
 
@@ -219,7 +252,8 @@ def resolve_source_dir(source: str | Path) -> Path:
     except HFValidationError:
         raise ValueError(f"no such directory: {str(source)!r} (and it is not a Hub id either)") from None
     try:
-        patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
+        patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES,
+                    *SENTENCE_TRANSFORMERS_FILES, "*/config.json"]  # sentence-transformers modules too
         local = Path(snapshot_download(str(source), allow_patterns=patterns))
         if not any((local / f).exists() for f in WEIGHT_FILES[:2]):
             local = Path(snapshot_download(str(source), allow_patterns=[*patterns, "pytorch_model.bin*"]))
@@ -527,4 +561,6 @@ __all__ = [
     "resolve_source_dir",
     "read_hf_state_dict",
     "convert_hf_state_dict",
+    "copy_sentence_transformers_files",
+    "SENTENCE_TRANSFORMERS_FILES",
 ]

@@ -17,7 +17,9 @@
 `--from-hf` writes model.safetensors, config.json (with auto_map for every head) and our two code
 files, so `AutoModel*.from_pretrained(out, trust_remote_code=True)` works without this package;
 `--to-hf` writes a `model_type: "bert"` checkpoint. Both copy the source's tokenizer files, so
-`AutoTokenizer.from_pretrained(out)` works. Errors (missing directory, a non-BERT checkpoint, a
+`AutoTokenizer.from_pretrained(out, trust_remote_code=True)` works, and a sentence-transformers model's
+modules and settings (modules.json, 1_Pooling/, sentence_bert_config.json, ...), so
+`SentenceTransformer(out, trust_remote_code=True).encode(...)` gives the original's embeddings. Errors (missing directory, a non-BERT checkpoint, a
 corrupt or truncated weights file, a non-empty --out) print one line and exit with status 2.
 """
 
@@ -113,10 +115,16 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     copied = copy_tokenizer_files(source_dir, out)
+    from hf_bert_impl.convert import copy_sentence_transformers_files
+
+    st_files = copy_sentence_transformers_files(source_dir, out)  # a sentence-transformers model stays one
     if args.from_hf is not None:
         # the model card (hf_bert_impl.hub) names this as base_model; a Hub id also goes in its metadata
         (out / "training_facts.json").write_text(json.dumps({"base_model": args.from_hf}, indent=2) + "\n")
     print(f"wrote {type(model).__name__} to {out}: {sorted(p.name for p in out.iterdir())}")
+    if st_files:
+        hint = ", trust_remote_code=True" if args.from_hf is not None else ""
+        print(f"kept the sentence-transformers modules {st_files}: SentenceTransformer({str(out)!r}{hint}) loads it")
     if not copied:
         print(f"note: {source_dir} has no tokenizer files; add them before AutoTokenizer can load {out}")
     return 0

@@ -580,7 +580,7 @@ path = {path!r}
 model = AutoModel.from_pretrained(path, trust_remote_code=True).eval()
 assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
 assert type(model).__name__ == "BertImplModel", type(model).__name__
-tokenizer = AutoTokenizer.from_pretrained(path)
+tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
 extractor = pipeline("feature-extraction", model=path, trust_remote_code=True, device="cpu")
 vectors = [torch.tensor(v[0]) for v in extractor({sentences!r})]
 torch.save(vectors, {out!r})
@@ -625,3 +625,94 @@ def test_minilm_script_conversion_loads_without_package_and_pipeline_matches(min
     back_state = back.state_dict()
     for key, value in original.items():
         assert torch.equal(value, back_state[key]), key
+
+
+# ----------------------------------------------------------------------------------------------
+# sentence-transformers, both ways, against all-MiniLM-L6-v2 as sentence-transformers itself loads it
+
+
+@pytest.fixture(scope="module")
+def minilm_st(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(minilm_dir), device="cpu")
+    return st, st.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
+
+
+def test_sentence_transformers_model_converts_both_ways_with_its_modules(minilm_dir, minilm_st, tmp_path):
+    """--from-hf on a sentence-transformers directory keeps modules.json, 1_Pooling/ and its settings:
+    SentenceTransformer(converted, trust_remote_code=True).encode equals the original's (normalised,
+    same max_seq_length); --to-hf back to plain BERT keeps them too."""
+    from sentence_transformers import SentenceTransformer
+
+    original, expected = minilm_st
+    assert original.max_seq_length == 256 and len(original) == 3  # Transformer, Pooling, Normalize
+    script = load_script()
+    ours_dir, back_dir = tmp_path / "impl", tmp_path / "back"
+    assert script.main(["--from-hf", str(minilm_dir), "--out", str(ours_dir)]) == 0
+    assert script.main(["--to-hf", str(ours_dir), "--out", str(back_dir)]) == 0
+    for path in (ours_dir, back_dir):
+        assert {"modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"} <= {p.name for p in path.iterdir()}
+        assert (path / "1_Pooling" / "config.json").read_text() == (minilm_dir / "1_Pooling" / "config.json").read_text()
+    for path, remote, arch in ((ours_dir, True, "BertImplModel"), (back_dir, False, "BertModel")):
+        model = SentenceTransformer(str(path), device="cpu", trust_remote_code=remote)
+        assert type(model[0].auto_model).__name__ == arch
+        assert [type(m).__name__ for m in model] == [type(m).__name__ for m in original]
+        assert model.max_seq_length == original.max_seq_length
+        got = model.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
+        assert torch.allclose(got.norm(dim=1), torch.ones(len(SENTENCES)), atol=1e-6)
+        diff = (got - expected).abs().max().item()
+        print(f"\n{arch} via SentenceTransformer({path.name}) vs the original all-MiniLM-L6-v2 encode max|Δ| {diff:.3e}")
+        assert diff <= 1e-6, (arch, diff)
+
+
+def test_save_as_sentence_transformer_then_train_one_step(minilm_dir, minilm_st, tmp_path):
+    """A bert_impl model with a task head (the encoder of all-MiniLM-L6-v2 inside a sequence
+    classifier) saved as a sentence-transformers model: mean pooling by default, loads with
+    SentenceTransformer, embeds as the original (whose Normalize we apply to compare), and one
+    SentenceTransformerTrainer step trains it."""
+    import datasets
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    from hf_bert_impl.sentence_embeddings import save_as_sentence_transformer
+
+    original, expected = minilm_st
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    head = from_hf_bert(minilm_dir, model_class=hf_bert_impl.BertImplForSequenceClassification)
+    out = tmp_path / "st"
+    save_as_sentence_transformer(head, tokenizer, out)
+    modules = json.loads((out / "modules.json").read_text())
+    assert [m["type"].rsplit(".", 1)[-1] for m in modules] == ["Transformer", "Pooling"]
+    assert json.loads((out / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "mean"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "bert_impl"
+
+    model = SentenceTransformer(str(out), device="cpu", trust_remote_code=True)
+    assert type(model[0].auto_model).__name__ == "BertImplModel"
+    got = model.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
+    diff = (torch.nn.functional.normalize(got, dim=1) - expected).abs().max().item()
+    print(f"\nsave_as_sentence_transformer (mean pooling) + L2 norm vs the original encode max|Δ| {diff:.3e}")
+    assert diff <= 1e-6, diff
+
+    normalised = save_as_sentence_transformer(head, tokenizer, tmp_path / "st-norm", normalize=True, max_seq_length=256)
+    assert normalised.max_seq_length == 256
+    assert (normalised.encode(SENTENCES, convert_to_tensor=True) - expected).abs().max().item() <= 1e-6
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        save_as_sentence_transformer(head, tokenizer, tmp_path / "bad", pooling="average")
+
+    pairs = datasets.Dataset.from_dict({"anchor": SENTENCES[:4], "positive": SENTENCES[2:6]})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "train"), max_steps=1, per_device_train_batch_size=4, learning_rate=1e-3,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0,
+    )
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=pairs, loss=MultipleNegativesRankingLoss(model)
+    )
+    result = trainer.train()
+    assert result.global_step == 1 and torch.isfinite(torch.tensor(result.training_loss))
+    moved = max((model.state_dict()[k] - before[k]).abs().max().item() for k in before)
+    assert moved > 1e-5, moved
+    model.save(str(tmp_path / "trained"))
+    again = SentenceTransformer(str(tmp_path / "trained"), device="cpu", trust_remote_code=True)
+    assert torch.equal(again.encode(SENTENCES, convert_to_tensor=True), model.encode(SENTENCES, convert_to_tensor=True))
