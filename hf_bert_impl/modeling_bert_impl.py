@@ -40,7 +40,8 @@ How this file differs from transformers' BERT
 Shape legend: b batch, s sequence, h heads, d head dim (d_k), H hidden (= h * d), I intermediate,
 V vocabulary, c choices.
 
-This file travels to the Hub: it imports only torch, transformers and `.configuration_bert_impl`.
+This file travels to the Hub: it imports only torch, transformers and `.configuration_bert_impl`,
+and runs on transformers 4.57.x and every 5.x (the compatibility shims below; older: one ImportError).
 """
 
 import os
@@ -113,6 +114,7 @@ def _bidirectional_mask(config, embeddings: torch.Tensor, attention_mask: torch.
         batch_size=embeddings.size(0), cache_position=torch.arange(s, device=embeddings.device), kv_length=s,
         mask_function=lambda b, h, q, kv: torch.ones_like(q, dtype=torch.bool), attention_mask=attention_mask.bool(),
     )
+
 
 def _find_onednn_linear():
     """oneDNN's fp32 GEMM (what torch.compile's CPU backend uses for linear layers), or None.

@@ -4,7 +4,7 @@
 #   bash scripts/test.sh -k parity  # extra arguments go to pytest
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/setup_env.sh"
+WITH_COMPAT=1 bash "$root/scripts/setup_env.sh"  # + the transformers side installs of tests/test_compat.py
 cd "$root"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest "$@"

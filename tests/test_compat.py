@@ -1,7 +1,7 @@
 """The two Hub files under other transformers releases: 4.57.6 (the last v4), 5.0.0 (the first v5)
 and this venv's own 5.x.
 
-Each version is a side install (`scripts/setup_env.sh` puts it under `.venv-compat/`) used through
+Each version is a side install (`bash scripts/test.sh` puts it under `.venv-compat/`) used through
 PYTHONPATH in a fresh Python where `import hf_bert_impl` is impossible, with this venv's torch. One
 subprocess per version does every check (start-up dominates):
   1. every head saved by the package loads by trust_remote_code and gives the package's outputs
@@ -112,7 +112,7 @@ def _side_install(version):
         return {}
     path = COMPAT_DIR / folder
     if not (path / "transformers" / "__init__.py").is_file():
-        pytest.fail(f"{path} is missing: run `bash scripts/setup_env.sh` (it installs the transformers side installs)")
+        pytest.fail(f"{path} is missing: run `bash scripts/test.sh` (or `WITH_COMPAT=1 bash scripts/setup_env.sh`): it makes the side installs")
     return {"PYTHONPATH": str(path)}
 
 
@@ -218,7 +218,7 @@ def test_too_old_transformers_gets_one_clear_error(debug_config, tmp_path):
     our checkpoint: one ImportError that names the version needed."""
     old = COMPAT_DIR / "transformers-4.56.2"
     if not (old / "transformers" / "__init__.py").is_file():
-        pytest.fail(f"{old} is missing: run `bash scripts/setup_env.sh`")
+        pytest.fail(f"{old} is missing: run `bash scripts/test.sh` (or `WITH_COMPAT=1 bash scripts/setup_env.sh`)")
     env = {"PYTHONPATH": os.pathsep.join([str(old), str(COMPAT_DIR / "transformers-4.57.6")])}
     BertImplModel(debug_config()).save_pretrained(tmp_path / "model")
     code = (
