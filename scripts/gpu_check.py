@@ -88,7 +88,8 @@ def run_tests(device: str, timeout: int, work: Path) -> dict:
     """pytest tests/test_cuda.py on `device`; counts and each test's outcome and printed numbers."""
     junit = work / "junit.xml"
     cmd = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider",
-           f"--junitxml={junit}", "-o", "junit_logging=system-out", "-o", "junit_family=xunit1"]
+           f"--basetemp={work / 'pytest'}", f"--junitxml={junit}", "-o", "junit_logging=system-out",
+           "-o", "junit_family=xunit1"]
     env = {**os.environ, "HF_BERT_IMPL_TEST_DEVICE": device}
     print("$ " + " ".join(cmd[1:]), flush=True)
     t0 = time.time()
@@ -96,7 +97,7 @@ def run_tests(device: str, timeout: int, work: Path) -> dict:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
-    result = {"command": "HF_BERT_IMPL_TEST_DEVICE=%s python %s" % (device, " ".join(cmd[1:-5])),
+    result = {"command": "HF_BERT_IMPL_TEST_DEVICE=%s python %s" % (device, " ".join(cmd[1:-6])),
               "returncode": rc, "wall_s": round(time.time() - t0, 1), "cases": []}
     if junit.is_file():
         for case in ET.parse(junit).getroot().iter("testcase"):
