@@ -18,7 +18,7 @@ What is checked, each test against transformers' Bert* class holding the same we
   - output_attentions (real probabilities, equal to transformers' eager ones);
   - torch.compile (fullgraph, dynamic) with no recompile across batch shapes, inference and training;
   - gradient checkpointing on the unpadded path;
-  - Trainer with bf16: per-step losses within 3x transformers' own bf16 deviation from float32.
+  - Trainer with bf16: mean per-step loss deviation within 3x transformers' own bf16 deviation.
 
 Sizes: on CUDA the "mini" preset (hidden 256, 4 layers, 4 heads of 64, so flash-attention takes it),
 vocabulary 1000, batch 16, sequence 128; on the CPU dry run the debug preset, batch 6, sequence 16.
@@ -463,9 +463,9 @@ class _Rows(torch.utils.data.Dataset):
 def test_trainer_bf16_losses_match_transformers(tmp_path):
     """Four Trainer runs from the same weights on the same batches: transformers and ours, float32 and
     --bf16 (autocast). float32: per-step losses agree within 1e-4 (tests/test_training.py's bound).
-    bf16: our largest per-step deviation from transformers' float32 losses is at most 3x transformers'
+    bf16: our mean per-step deviation from transformers' float32 losses is at most 3x transformers'
     own bf16 deviation."""
-    steps, b = 6, BATCH
+    steps, b = 10, BATCH
     rows = []
     for step in range(steps):  # a fresh padded batch with 15% of the real tokens as labels per step
         x = head_inputs("BertForMaskedLM", seed=10 + step)
@@ -488,9 +488,10 @@ def test_trainer_bf16_losses_match_transformers(tmp_path):
     ref = losses["transformers", False]
     assert all(len(v) == steps for v in losses.values()), losses
     fp32 = max(abs(a - c) for a, c in zip(losses["ours", False], ref))
-    err_hf = max(abs(a - c) for a, c in zip(losses["transformers", True], ref))
-    err_ours = max(abs(a - c) for a, c in zip(losses["ours", True], ref))
-    print(f"\n[{DEVICE.type} Trainer] float32 max|loss diff| {fp32:.2e}; bf16 vs float32: ours {err_ours:.2e}, "
+    # bf16 deviation as the mean over the steps: the max of a few steps is one noisy draw
+    err_hf = sum(abs(a - c) for a, c in zip(losses["transformers", True], ref)) / steps
+    err_ours = sum(abs(a - c) for a, c in zip(losses["ours", True], ref)) / steps
+    print(f"\n[{DEVICE.type} Trainer] float32 max|loss diff| {fp32:.2e}; bf16 vs float32 (mean |diff|): ours {err_ours:.2e}, "
           f"transformers {err_hf:.2e}; losses {losses}")
     assert max(ref) - min(ref) > 10 * ATOL, f"a flat loss curve proves little: {ref}"
     assert fp32 <= 1e-4, losses
