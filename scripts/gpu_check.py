@@ -11,6 +11,8 @@ Copy-paste commands:
     # the dry run on the CPU: the same tests on small sizes, the benchmark with --size tiny (about a minute)
     bash scripts/gpu_check.sh --device cpu --json /tmp/gpu_check_dry_run.json
 
+`--only tests` or `--only benchmark` reruns one part (the JSON then holds that part only).
+
 Exit status: 0 when every test passed (skips allowed only where flash-attn is not importable) and every
 benchmark ran with its output checks passing; 1 otherwise; 2 on bad arguments. The speed targets
 (`GPU_TARGETS`) are reported, met or missed, and do not change the exit status: they are measurements.
@@ -47,9 +49,12 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="write the whole result (versions, tests, benchmarks) here")
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (its dry run)")
+    parser.add_argument("--only", default="all", help="all (default), tests or benchmark: rerun one part")
     args = parser.parse_args(argv)
     if args.device not in PLANS:
         parser.error(f"--device must be cuda or cpu, got {args.device!r}")
+    if args.only not in ("all", "tests", "benchmark"):
+        parser.error(f"--only must be all, tests or benchmark, got {args.only!r}")
     parent = Path(args.json).resolve().parent
     if parent.exists() and not parent.is_dir():
         parser.error(f"--json {args.json!r}: {parent} is not a directory")
@@ -165,14 +170,15 @@ def main(argv=None) -> int:
     print("environment: " + json.dumps(info), flush=True)
     result = {"command": "bash scripts/gpu_check.sh " + " ".join(sys.argv[1:] if argv is None else argv),
               "device": args.device, "environment": info, "plan": {k: v for k, v in plan.items()}}
+    result["tests"], result["benchmarks"] = None, {}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
-        result["tests"] = tests = run_tests(args.device, plan["tests_timeout"], work)
-        print(f"tests: {tests['passed']} passed, {tests['failed']} failed, {tests['error']} errors, "
-              f"{tests['skipped']} skipped ({tests['wall_s']} s)", flush=True)
+        if args.only in ("all", "tests"):
+            result["tests"] = tests = run_tests(args.device, plan["tests_timeout"], work)
+            print(f"tests: {tests['passed']} passed, {tests['failed']} failed, {tests['error']} errors, "
+                  f"{tests['skipped']} skipped ({tests['wall_s']} s)", flush=True)
         backends = "sdpa,flash_attention_2" if info["flash_attention_2_available"] else "sdpa"
-        result["benchmarks"] = {}
-        for seq_len in plan["seq_lens"]:
+        for seq_len in plan["seq_lens"] if args.only in ("all", "benchmark") else ():
             result["benchmarks"][str(seq_len)] = run_benchmark(
                 args.device, plan, seq_len, backends, plan["bench_timeout"], work)
     result["targets"] = targets(result["benchmarks"])
@@ -182,15 +188,17 @@ def main(argv=None) -> int:
         print(f"  seq {t['seq_len']:4d} {t['backend']:18s} {t['workload']:6s} {t['ratio']:6.2f}x (target {t['target']}x: "
               f"{'met' if t['met'] else 'missed'}), MFU ours {100 * t['mfu_ours']:5.1f}% / transformers "
               f"{100 * t['mfu_transformers']:5.1f}%{mfu}")
-    # Skips are allowed only for flash-attention where it is not importable.
-    bad_skips = [c["name"] for c in tests["cases"]
-                 if c["outcome"] == "skipped" and not ("flash_attention_2" in c["name"] and not info["flash_attention_2_available"])]
     problems = []
-    if tests["returncode"] != 0 or tests["failed"] or tests["error"] or not tests["passed"]:
-        problems.append(f"tests: returncode {tests['returncode']}, {tests['failed']} failed, {tests['error']} errors, "
-                        f"{tests['passed']} passed")
-    if bad_skips:
-        problems.append(f"tests skipped that must run here: {bad_skips}")
+    tests = result["tests"]
+    if tests is not None:
+        if tests["returncode"] != 0 or tests["failed"] or tests["error"] or not tests["passed"]:
+            problems.append(f"tests: returncode {tests['returncode']}, {tests['failed']} failed, {tests['error']} errors, "
+                            f"{tests['passed']} passed")
+        # Skips are allowed only for flash-attention where it is not importable.
+        bad_skips = [c["name"] for c in tests["cases"] if c["outcome"] == "skipped"
+                     and not ("flash_attention_2" in c["name"] and not info["flash_attention_2_available"])]
+        if bad_skips:
+            problems.append(f"tests skipped that must run here: {bad_skips}")
     problems += [f"benchmark seq {s}: returncode {b['returncode']}" for s, b in result["benchmarks"].items()
                  if b["returncode"] != 0 or "result" not in b]
     result["problems"] = problems

@@ -81,6 +81,7 @@ def test_dry_run_benchmarks_both_lengths_in_bf16_with_checks_and_targets(dry_run
 @pytest.mark.parametrize("args,message", [
     (["--device", "tpu", "--json", "x.json"], "--device must be cuda or cpu, got 'tpu'"),
     (["--device", "cpu"], "the following arguments are required: --json"),
+    (["--device", "cpu", "--json", "x.json", "--only", "speed"], "--only must be all, tests or benchmark, got 'speed'"),
 ])
 def test_bad_arguments_are_one_line_errors_with_exit_2(args, message):
     proc = run_check(*args, timeout=120)
