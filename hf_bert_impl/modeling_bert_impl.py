@@ -592,10 +592,17 @@ class BertImplPreTrainedModel(PreTrainedModel):
                 return
             aside = staging.replace(".saving-", ".replaced-")
             os.rename(target, aside)
-            os.rename(staging, target)
+            try:
+                os.rename(staging, target)
+            except BaseException:
+                os.rename(aside, target)  # the old checkpoint goes back
+                raise
             shutil.rmtree(aside)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            aside = staging.replace(".saving-", ".replaced-")
+            if os.path.exists(aside) and os.path.exists(target):
+                shutil.rmtree(aside, ignore_errors=True)
 
     def _check_model_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
         """Turn inputs that torch would reject with an opaque IndexError into a ValueError that
