@@ -2,8 +2,10 @@
 
 Field names and defaults follow `transformers.BertConfig` (bert-base sizes), plus
 `position_embedding_type`: "sinusoidal" (default, the seed's formula) or "learned" (a trained
-table, as in Google's BERT). Every field is validated at construction; a bad value raises a
-`ValueError` that names the field, the value and what is accepted.
+table, as in Google's BERT). Every field is validated at construction and again on every later
+assignment (`config.hidden_size = ...`, `from_pretrained(dir, hidden_size=...)` overrides); a bad
+value raises a `ValueError` that names the field, the value and what is accepted, and leaves the
+config as it was.
 
 This file travels to the Hub beside `modeling_bert_impl.py`: it imports only transformers. Both
 files run on transformers 4.57.x and 5.x; an older transformers gets one ImportError naming the
@@ -70,6 +72,13 @@ REQUIRED_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
     "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "position_embedding_type",
 )
+# Every field `_validate_bert_impl` checks: assigning one of them after construction re-validates.
+VALIDATED_FIELDS = frozenset(REQUIRED_FIELDS + (
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "initializer_range",
+    "pad_token_id", "unpad_inputs", "sparse_prediction", "onednn_linear",
+))
+# Instance flag set once __init__ has validated; kept out of config.json by `to_dict`.
+_READY = "_bert_impl_validated"
 
 
 class BertImplConfig(PretrainedConfig):
@@ -150,6 +159,29 @@ class BertImplConfig(PretrainedConfig):
         kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(pad_token_id=pad_token_id, **kwargs)
         self._validate_bert_impl()
+        object.__setattr__(self, _READY, True)
+
+    def __setattr__(self, key, value):
+        """Assignments after construction are validated as in `__init__` (transformers' `from_pretrained`
+        applies `hidden_size=...` style overrides with setattr). A rejected value is rolled back."""
+        if key not in VALIDATED_FIELDS or not self.__dict__.get(_READY, False):
+            return super().__setattr__(key, value)
+        missing = object()
+        before = self.__dict__.get(key, missing)
+        super().__setattr__(key, value)
+        try:
+            self._validate_bert_impl()
+        except ValueError:
+            if before is missing:
+                self.__dict__.pop(key, None)
+            else:
+                super().__setattr__(key, before)
+            raise
+
+    def to_dict(self):
+        out = super().to_dict()
+        out.pop(_READY, None)
+        return out
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BertImplConfig":

@@ -70,6 +70,25 @@ def run_cli(main) -> int:
     return 0
 
 
+def resolve_resume_argument(training_args) -> str | None:
+    """`--resume_from_checkpoint`: "true" means the latest checkpoint-* in --output_dir (as Trainer users
+    expect from `trainer.train(resume_from_checkpoint=True)`), "false" / unset means none, anything
+    else must be a checkpoint directory. Bad values are UsageErrors naming them."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    resume = training_args.resume_from_checkpoint
+    if resume is None or str(resume).lower() in ("false", ""):
+        return None
+    if str(resume).lower() == "true":
+        last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+        if last is None:
+            raise UsageError(f"--resume_from_checkpoint true: no checkpoint-* directory in {training_args.output_dir}")
+        return last
+    if not Path(resume).is_dir():
+        raise UsageError(f"--resume_from_checkpoint {resume}: no such directory")
+    return resume
+
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(])")
 _HEADING_RULE = re.compile(r"^[*=\-~^\"]{3,}$")
 
@@ -251,6 +270,9 @@ def tokenize_and_group(dataset, tokenizer, max_seq_length: int, text_column: str
             out["offset_mapping"] = [[[0, 0], *offsets[i : i + body], [0, 0]] for i in starts]
         return out
 
+    if isinstance(dataset, datasets.IterableDataset):  # streamed: tokenized and grouped lazily, batch by batch
+        tokenized = dataset.select_columns([text_column]).map(tokenize, batched=True, remove_columns=[text_column])
+        return tokenized.map(group, batched=True, batch_size=1000, remove_columns=["ids"] + (["offsets"] if with_offsets else []))
     tokenized = dataset.map(
         tokenize, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenizing {desc}".strip()
     )
@@ -304,20 +326,28 @@ class MLMCollator:
             tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask,
             pad_to_multiple_of=pad_to_multiple_of,
         )
-        # With a seed, batch k of this process is masked from its own seed (seed, rank, k) instead of
-        # the global RNG, so a resumed run (`MaskingResumeCallback` sets k) masks every batch as the
-        # uninterrupted run did, whatever the data loader prefetched before the checkpoint.
+        # With a seed, example j of this process's batch k is masked from its own seed
+        # (seed, k, rank * batch + j) instead of the global RNG: a resumed run (`MaskingResumeCallback`
+        # sets k) masks every batch as the uninterrupted run did, whatever the data loader prefetched
+        # before the checkpoint; and N processes with per-device batch B mask the examples of a global
+        # batch exactly as one process with batch N*B does (accelerate hands rank r the r-th slice).
         self.seed, self.rank, self.batches_made = seed, rank, 0
 
     def __call__(self, features):
         if "labels" not in features[0]:
             if self.seed is None:
                 return self.mlm(features)
-            batch_seed = np.random.SeedSequence([self.seed, self.rank, self.batches_made]).generate_state(1)[0]
+            k, first = self.batches_made, self.rank * len(features)
             self.batches_made += 1
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(batch_seed))
-                return self.mlm(features)
+            masked = []
+            for j, f in enumerate(features):
+                example_seed = np.random.SeedSequence([self.seed, k, first + j]).generate_state(1)[0]
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(int(example_seed))
+                    one = self.mlm([f])  # one example: no padding, so its mask depends on it alone
+                rest = {c: v for c, v in f.items() if c not in ("input_ids", "special_tokens_mask", "offset_mapping")}
+                masked.append({**rest, "input_ids": one["input_ids"][0].tolist(), "labels": one["labels"][0].tolist()})
+            features = masked
         labels = [list(f["labels"]) for f in features]
         rest = [{k: v for k, v in f.items() if k not in ("labels", "special_tokens_mask", "offset_mapping")}
                 for f in features]
@@ -325,6 +355,59 @@ class MLMCollator:
         width = batch["input_ids"].shape[1]
         batch["labels"] = torch.tensor([l + [IGNORE_INDEX] * (width - len(l)) for l in labels])
         return batch
+
+
+def tokenize_documents(dataset, tokenizer, max_seq_length: int, text_column: str = "text", num_proc=None, desc=""):
+    """For `--pack_sequences`: every text becomes [CLS] tokens [SEP] sequences of at most `max_seq_length`
+    tokens (a long text is cut into consecutive pieces), never joined with another text; the collator
+    packs them into one row without padding. Works on a `Dataset` and on a streamed `IterableDataset`."""
+    body = max_seq_length - 2
+    if body < 1:
+        raise UsageError(f"--max_seq_length must be at least 3 ([CLS] x [SEP]), got {max_seq_length}")
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+
+    def tokenize(batch):
+        pieces = []
+        for ids in tokenizer([t for t in batch[text_column] if isinstance(t, str)], add_special_tokens=False)["input_ids"]:
+            pieces.extend(ids[i : i + body] for i in range(0, len(ids), body))
+        return {
+            "input_ids": [[cls_id, *p, sep_id] for p in pieces],
+            "special_tokens_mask": [[1] + [0] * len(p) + [1] for p in pieces],
+        }
+
+    if isinstance(dataset, datasets.IterableDataset):
+        return dataset.select_columns([text_column]).map(tokenize, batched=True, remove_columns=[text_column])
+    return dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
+                       desc=f"Tokenizing {desc} (one sequence per text)".strip())
+
+
+class PackedMLMCollator:
+    """`--pack_sequences`: masks the batch with `MLMCollator` (the same seeded per-batch masking), then
+    packs its sequences into one row with `DataCollatorWithFlattening`: no padding tokens, and
+    `position_ids` restarting at 0 per sequence, which the model reads as sequence boundaries
+    (attention stays inside each sequence)."""
+
+    def __init__(self, mlm_collator: "MLMCollator"):
+        from transformers import DataCollatorWithFlattening
+
+        self.inner = mlm_collator
+        self.flatten = DataCollatorWithFlattening(return_position_ids=True)
+
+    # MaskingResumeCallback reads and sets the batch counter of the collator it is given.
+    @property
+    def batches_made(self):
+        return self.inner.batches_made
+
+    @batches_made.setter
+    def batches_made(self, value):
+        self.inner.batches_made = value
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        keep = batch["attention_mask"].bool()
+        rows = [{"input_ids": batch["input_ids"][i][keep[i]].tolist(), "labels": batch["labels"][i][keep[i]].tolist()}
+                for i in range(keep.shape[0])]
+        return self.flatten(rows)
 
 
 class MaskingResumeCallback(TrainerCallback):
@@ -390,6 +473,22 @@ def mask_once(dataset, tokenizer, seed: int, mlm_probability: float = 0.15, whol
 
 
 DATA_FILE_TYPES = {".txt": "text", ".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def stream_data_file(path, flag: str = "--train_file") -> datasets.IterableDataset:
+    """A local text / json lines / csv / parquet file (or a glob of them) as a streamed `IterableDataset`:
+    rows are read as training consumes them, so the file may be larger than memory."""
+    import glob
+
+    matches = sorted(glob.glob(str(path))) if any(c in str(path) for c in "*?[") else [str(path)]
+    if not matches or not all(Path(m).is_file() for m in matches):
+        raise UsageError(f"{flag} {path}: no such file")
+    kinds = {DATA_FILE_TYPES.get(Path(m).suffix.lower()) for m in matches}
+    if None in kinds or len(kinds) != 1:
+        raise UsageError(f"{flag} {path}: files must share one extension of {sorted(DATA_FILE_TYPES)}")
+    if all(Path(m).stat().st_size == 0 for m in matches):
+        raise UsageError(f"{flag} {path}: the file is empty")
+    return datasets.load_dataset(kinds.pop(), data_files={"train": matches}, split="train", streaming=True)
 
 
 def load_data_files(train_file=None, validation_file=None, test_file=None) -> datasets.DatasetDict:

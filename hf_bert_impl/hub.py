@@ -230,6 +230,10 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
         hyperparameters=sorted((k, _fmt(v)) for k, v in (facts.get("hyperparameters") or {}).items() if v is not None),
         labels=", ".join(map(str, facts["labels"])) if isinstance(facts.get("labels"), list) else None,
         metrics=[(k, _fmt(v)) for k, v in metrics.items()],
+        # e.g. MNLI's validation_mismatched, scored beside the evaluation split
+        other_split_metrics=[(k, _fmt(v)) for k, v in (facts.get("other_split_metrics") or {}).items()],
+        # splits whose labels were placeholders (GLUE test: -1): predicted, never scored
+        unlabeled_splits=sorted((facts.get("unlabeled_splits") or {}).items()),
         loss_curve=loss_curve,
         **{k: config.get(k, NOT_RECORDED) for k in (
             "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",

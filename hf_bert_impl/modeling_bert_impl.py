@@ -445,6 +445,71 @@ class BertImplLMHead(nn.Module):
 # The Hugging Face machinery
 
 
+def _owner_tag() -> str:
+    """host and pid of this save, so a later save can tell a killed save's leftovers from a running one's."""
+    import socket
+
+    return f"{socket.gethostname().replace('-', '_').replace('.', '_')}-{os.getpid()}"
+
+
+def _remove_stale_staging(parent: str, name: str) -> None:
+    """Remove `.NAME.saving-*` / `.NAME.replaced-*` siblings left by a save on this host whose process is gone."""
+    host = _owner_tag().rsplit("-", 1)[0]
+    for entry in os.listdir(parent):
+        m = re.fullmatch(rf"\.{re.escape(name)}\.(saving|replaced)-(.+)-(\d+)-[0-9a-f]{{12}}", entry)
+        if not m or m.group(2) != host:
+            continue
+        try:
+            os.kill(int(m.group(3)), 0)
+            continue  # that save is still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        path = os.path.join(parent, entry)
+        if m.group(1) == "replaced" and not os.path.exists(os.path.join(parent, name)):
+            os.rename(path, os.path.join(parent, name))  # a crash between the two renames: bring the old one back
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _link_tree(src: str, dst: str) -> None:
+    """Hard-link (copy where links are not possible) a file or directory tree: no data is copied on one file system."""
+    def link(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if os.path.isdir(src) and not os.path.islink(src):
+        shutil.copytree(src, dst, symlinks=True, copy_function=link)
+    elif os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+    else:
+        link(src, dst)
+
+
+def _exchange_directories(a: str, b: str) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this file system cannot exchange
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
 class BertImplPreTrainedModel(PreTrainedModel):
     config_class = BertImplConfig
     config: BertImplConfig
@@ -522,19 +587,37 @@ class BertImplPreTrainedModel(PreTrainedModel):
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, *args, **kwargs):
-        """transformers' save, all or nothing: everything is written into a hidden sibling directory first,
-        so an interrupted save leaves `save_directory` either as it was or without a config.json (which
-        does not load), never a half-written checkpoint that loads. A new directory is one rename; in an
-        existing one the old config.json goes first, the new files move in, the new config.json last;
-        other files there (tokenizer, checkpoints) stay. Pushes and non-main ranks go straight through."""
-        if kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint") or not is_main_process:
-            return super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        """transformers' save, all or nothing. Everything is written into a hidden sibling directory first
+        (`.NAME.saving-*`); a new directory is then one rename. An existing directory is replaced by one
+        atomic exchange of the two directories (Linux renameat2 RENAME_EXCHANGE), after the files of the
+        old directory that are not part of the model (tokenizer, checkpoint-* folders, ...) were hard-linked
+        into the new one: at every instant `save_directory` holds either the complete old checkpoint or the
+        complete new one, never a mix and never nothing. Where the exchange is unavailable (another OS or
+        file system) the old directory is renamed aside and the new one renamed in: a crash between those
+        two renames leaves the old checkpoint complete in `.NAME.replaced-*`. Leftovers of a killed save are
+        hidden siblings only, removed by the next save. `config.sparse_prediction` is a training switch
+        (scripts/pretrain_mlm.py sets it for speed): it is saved as False, so loaded checkpoints return
+        transformers' full logits. Pushes and non-main ranks go straight through."""
+        sparse = getattr(self.config, "sparse_prediction", False)
+        try:
+            if sparse:
+                self.config.sparse_prediction = False
+            if kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint") or not is_main_process:
+                return super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+            self._save_all_or_nothing(save_directory, is_main_process, *args, **kwargs)
+        finally:
+            if sparse:
+                self.config.sparse_prediction = True
+
+    def _save_all_or_nothing(self, save_directory, is_main_process, *args, **kwargs):
         target = os.path.abspath(os.fspath(save_directory))
         if os.path.isfile(target):
             raise ValueError(f"save_pretrained needs a directory, but {target} is a file")
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+        parent, name = os.path.split(target)
+        os.makedirs(parent, exist_ok=True)
+        _remove_stale_staging(parent, name)
         # os.mkdir (not tempfile.mkdtemp, which makes it 0700) so the directory gets the usual umask mode.
-        staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.saving-{uuid.uuid4().hex[:12]}")
+        staging = os.path.join(parent, f".{name}.saving-{_owner_tag()}-{uuid.uuid4().hex[:12]}")
         os.mkdir(staging)
         try:
             super().save_pretrained(staging, is_main_process, *args, **kwargs)
@@ -542,19 +625,27 @@ class BertImplPreTrainedModel(PreTrainedModel):
                 os.rename(staging, target)
                 return
             new_names = set(os.listdir(staging))
-            config_path = os.path.join(target, "config.json")
-            if os.path.exists(config_path):
-                os.remove(config_path)
-            for name in os.listdir(target):
-                if self._WEIGHTS_FILE.fullmatch(name) and name not in new_names:
-                    os.remove(os.path.join(target, name))  # a previous save's shards would mix with ours
-            for name in sorted(new_names - {"config.json"}) + ["config.json"]:
-                dst = os.path.join(target, name)
-                if os.path.isdir(dst):
-                    shutil.rmtree(dst)
-                os.replace(os.path.join(staging, name), dst)
+            for entry in os.listdir(target):
+                # The old model's own files stay behind (a previous save's shards would mix with ours).
+                if entry in new_names or self._WEIGHTS_FILE.fullmatch(entry):
+                    continue
+                _link_tree(os.path.join(target, entry), os.path.join(staging, entry))
+            if _exchange_directories(staging, target):
+                shutil.rmtree(staging)  # now the old checkpoint
+                return
+            aside = staging.replace(".saving-", ".replaced-")
+            os.rename(target, aside)
+            try:
+                os.rename(staging, target)
+            except BaseException:
+                os.rename(aside, target)  # the old checkpoint goes back
+                raise
+            shutil.rmtree(aside)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            aside = staging.replace(".saving-", ".replaced-")
+            if os.path.exists(aside) and os.path.exists(target):
+                shutil.rmtree(aside, ignore_errors=True)
 
     def _check_model_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
         """Turn inputs that torch would reject with an opaque IndexError into a ValueError that

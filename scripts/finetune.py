@@ -21,6 +21,18 @@ hf_bert_impl/data.py):
     python scripts/finetune.py --model_name_or_path out/mlm-tiny --task_type token --train_file ner.jsonl \
         --output_dir out/ner
 
+    # MNLI: validation_matched is evaluated (and drives best-model selection), validation_mismatched is
+    # reported beside it; GLUE test splits carry the placeholder label -1, so they get predictions only
+    python scripts/finetune.py --model_name_or_path bert-base-uncased --dataset_name nyu-mll/glue \
+        --dataset_config_name mnli --output_dir out/mnli
+
+    # token classification with sequence packing (DataCollatorWithFlattening: no padding tokens)
+    python scripts/finetune.py --model_name_or_path out/mlm-tiny --task_type token --train_file ner.jsonl \
+        --output_dir out/ner --pack_sequences
+
+    # continue the latest checkpoint-* of --output_dir
+    python scripts/finetune.py --model_name_or_path out/mlm-tiny --output_dir out/cls --resume_from_checkpoint true
+
     # early stopping (needs evaluation and best-model tracking)
     python scripts/finetune.py --model_name_or_path out/mlm-tiny --output_dir out/cls --eval_strategy epoch \
         --save_strategy epoch --load_best_model_at_end --num_train_epochs 20 --early_stopping_patience 2
@@ -29,6 +41,11 @@ hf_bert_impl/data.py):
 `TrainingArguments` option works (`accelerate launch --multi_gpu ...`, --bf16, --gradient_checkpointing).
 The output directory holds the model in Hub format, the tokenizer, predictions.jsonl (for the test split,
 else the validation split), training_facts.json, loss_curve.png and the model card README.md.
+
+Metrics are computed only against real labels: a split whose labels are all placeholders (-1 or None,
+as in GLUE's test splits) gets predictions only, and training_facts.json / the model card say so.
+Token classification reports seqeval's entity-level precision / recall / F1 (CoNLL scoring) beside
+token accuracy when the tags are IOB / IOBES; other tag sets (POS) get token accuracy and F1.
 """
 
 from __future__ import annotations
@@ -48,6 +65,7 @@ from transformers import (
     AutoConfig,
     AutoTokenizer,
     DataCollatorForTokenClassification,
+    DataCollatorWithFlattening,
     DataCollatorWithPadding,
     EarlyStoppingCallback,
     Trainer,
@@ -118,6 +136,11 @@ class DataArguments:
     early_stopping_patience: int | None = field(
         default=None, metadata={"help": "Stop after this many evaluations without improvement (needs --load_best_model_at_end)."}
     )
+    pack_sequences: bool = field(
+        default=False,
+        metadata={"help": "Token classification: pack each batch into one row without padding (DataCollatorWithFlattening; "
+                          "the model keeps attention inside each sequence)."},
+    )
     metric: str = field(
         default="auto",
         metadata={"help": "auto: evaluate.load('glue', config) for GLUE data when the Hub is reachable, else the shipped module; "
@@ -127,6 +150,9 @@ class DataArguments:
 
 def load_data(data_args: DataArguments, seed: int):
     """-> (DatasetDict, description, where each split came from for error messages)."""
+    if data_args.dataset_name and (data_args.train_file or data_args.validation_file or data_args.test_file):
+        raise D.UsageError(f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file / --test_file "
+                           "are exclusive: give one data source")
     if data_args.dataset_name:
         raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
         return raw, data_args.dataset_name, {k: f"{data_args.dataset_name} ({k} split)" for k in raw}
@@ -141,6 +167,43 @@ def load_data(data_args: DataArguments, seed: int):
     raw = D.EMBEDDED_TASKS[data_args.embedded_task]()  # fixed seed: the task stays the same whatever --seed trains it
     description = EMBEDDED_TASKS[data_args.embedded_task]
     return raw, description, {k: f"embedded task {data_args.embedded_task} ({k} split)" for k in raw}
+
+
+def split_roles(raw) -> tuple[list[str], list[str]]:
+    """-> (evaluation splits, prediction splits), the first of each being the primary one.
+    "validation" or, when absent, every "validation_*" split (MNLI's validation_matched /
+    validation_mismatched); likewise "test" / "test_*". The primary evaluation split is the one
+    Trainer evaluates during training (best model, early stopping); the others are reported too."""
+    def role(prefix):
+        exact = [prefix] if prefix in raw else []
+        return exact + sorted(k for k in raw if k.startswith(prefix + "_"))
+    return role("validation"), role("test")
+
+
+def placeholder_labels(ds, column: str, token: bool, is_regression: bool, source: str) -> bool:
+    """True when every label of `ds[column]` is a placeholder (-1 or None: datasets' ClassLabel writes -1
+    for "no label", as in every GLUE test split); such a split gets predictions, never metrics. Some
+    placeholders among real labels are an error (a metric over them would score the placeholder as a
+    class). For regression only a split of nothing but -1 / None is a placeholder split (STS-B's test
+    labels are all -1.0; a single -1.0 is a real score)."""
+    values = ds[column]
+    flat = [t for row in values for t in (row if isinstance(row, list) else [row])] if token else list(values)
+    holes = [v is None or (not isinstance(v, (str, bool)) and v == -1) for v in flat]
+    if flat and all(holes):
+        return True
+    if any(holes) and not is_regression:
+        raise D.UsageError(
+            f"{source}: {sum(holes)} of {len(flat)} labels in column {column!r} are placeholders (-1 or None); "
+            "label every row, or none (a split without labels gets predictions only)"
+        )
+    return False
+
+
+def is_regression_column(train, column: str) -> bool:
+    feature = train.features[column]
+    if isinstance(feature, datasets.Value):
+        return feature.dtype.startswith("float")
+    return False
 
 
 def resolve_task(model_args, data_args, train) -> str:
@@ -222,7 +285,7 @@ def load_model(model_args, model_class, **config_kwargs):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the fine-tuning; returns the final metrics (eval_* and, when the test split has labels, test_*)."""
+    """Run the fine-tuning; returns the final metrics (eval_* and, when the test split has real labels, test_*)."""
     model_args, data_args, training_args = D.parse_script_arguments(
         (ModelArguments, DataArguments, TrainingArguments), argv, logger
     )
@@ -231,12 +294,17 @@ def main(argv: list[str] | None = None) -> dict:
             "--early_stopping_patience needs --load_best_model_at_end with matching --eval_strategy / --save_strategy"
         )
 
+    resume = D.resolve_resume_argument(training_args)
+
     set_seed(training_args.seed)
     raw, dataset_source, sources = load_data(data_args, training_args.seed)
     if "train" not in raw:
         raise D.UsageError(f"{dataset_source}: no train split")
     train_src = sources["train"]
     task = resolve_task(model_args, data_args, raw["train"])
+    if data_args.pack_sequences and task != "token":
+        raise D.UsageError("--pack_sequences needs token classification (--task_type token): a packed row holds several "
+                           "sequences, and a sequence-classification head reads one [CLS] per row")
 
     # Check every split's columns and labels before the model or tokenizer is touched.
     if task == "token":
@@ -244,18 +312,34 @@ def main(argv: list[str] | None = None) -> dict:
         if tags_col is None:
             raise D.UsageError(f"{train_src}: no tag column; expected one of {list(TAG_COLUMNS)} or --tags_column")
         for split, ds in raw.items():
-            D.check_columns(ds, [data_args.tokens_column] + ([tags_col] if split != "test" else []), sources[split])
-        label_names = tag_scheme(raw["train"], tags_col, train_src)
+            D.check_columns(ds, [data_args.tokens_column] + ([tags_col] if split == "train" else []), sources[split])
         is_regression = False
         keys = (data_args.tokens_column, None)
     else:
         keys = sentence_keys(data_args, raw["train"], train_src)
         for split, ds in raw.items():
-            D.check_columns(ds, [k for k in keys if k] + ([data_args.label_column] if split != "test" else []), sources[split])
-        is_regression, label_names = label_scheme(raw["train"], data_args.label_column, train_src)
+            D.check_columns(ds, [k for k in keys if k] + ([data_args.label_column] if split == "train" else []), sources[split])
         tags_col = None
-    label2id = {name: i for i, name in enumerate(label_names)} if label_names else None
     label_col = tags_col or data_args.label_column
+    # Placeholder labels: the split keeps its rows for predictions and loses the label column, so that
+    # nothing downstream (metrics, gold labels in predictions.jsonl) can read them as classes.
+    unlabeled = {}
+    for split in list(raw):
+        if label_col in raw[split].column_names and placeholder_labels(
+                raw[split], label_col, task == "token", task != "token" and is_regression_column(raw["train"], label_col),
+                sources[split]):
+            if split == "train":
+                raise D.UsageError(f"{sources[split]}: every label in column {label_col!r} is a placeholder (-1 or None); "
+                                   "training needs labelled rows")
+            raw[split] = raw[split].remove_columns(label_col)
+            unlabeled[split] = "placeholder labels (-1 / None): predictions only, no metrics"
+        elif label_col not in raw[split].column_names and split != "train":
+            unlabeled[split] = "no label column: predictions only, no metrics"
+    if task == "token":
+        label_names = tag_scheme(raw["train"], tags_col, train_src)
+    else:
+        is_regression, label_names = label_scheme(raw["train"], data_args.label_column, train_src)
+    label2id = {name: i for i, name in enumerate(label_names)} if label_names else None
     for split, ds in raw.items():
         if label2id is None or label_col not in ds.column_names or isinstance(ds.features[label_col], datasets.ClassLabel):
             continue
@@ -344,14 +428,25 @@ def main(argv: list[str] | None = None) -> dict:
             preds = logits.argmax(-1)
             keep = labels != D.IGNORE_INDEX
             return metric.compute(predictions=[p[k].tolist() for p, k in zip(preds, keep)],
-                                  references=[l[k].tolist() for l, k in zip(labels, keep)])
+                                  references=[l[k].tolist() for l, k in zip(labels, keep)], label_names=label_names)
         preds = logits.reshape(-1) if is_regression else logits.argmax(-1)
         return metric.compute(predictions=preds.tolist(), references=labels.reshape(-1).tolist())
 
-    collator = DataCollatorForTokenClassification(tokenizer) if task == "token" else DataCollatorWithPadding(tokenizer)
+    if data_args.pack_sequences:
+        # One row per batch, position_ids restarting at 0 per sequence: the model's packed path keeps
+        # attention inside each sequence; labels get -100 at each sequence's first token ([CLS] already has it).
+        collator = DataCollatorWithFlattening(return_position_ids=True)
+    elif task == "token":
+        collator = DataCollatorForTokenClassification(tokenizer)
+    else:
+        collator = DataCollatorWithPadding(tokenizer)
     D.default_logging_steps(training_args, num_update_steps=None)
     callbacks = [EarlyStoppingCallback(data_args.early_stopping_patience)] if data_args.early_stopping_patience else []
-    evaluation = encoded.get("validation")
+    eval_splits, predict_splits = split_roles(encoded)
+    eval_splits = [k for k in eval_splits if k not in unlabeled]
+    evaluation = encoded[eval_splits[0]] if eval_splits else None
+    if evaluation is not None and eval_splits[0] != "validation":
+        logger.info("evaluating on %s (%s reported after training)", eval_splits[0], ", ".join(eval_splits[1:]) or "nothing else")
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -365,27 +460,38 @@ def main(argv: list[str] | None = None) -> dict:
     if training_args.logging_steps == 500 and training_args.max_steps <= 0:
         training_args.logging_steps = max(1, int(len(trainer.get_train_dataloader()) * training_args.num_train_epochs
                                                  / training_args.gradient_accumulation_steps) // 50)
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    train_result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     trainer.save_state()
     trainer.log_metrics("train", train_result.metrics)
-    final = {}
+    final, other_metrics = {}, {}
     if evaluation is not None:
         final.update(trainer.evaluate())
         trainer.log_metrics("eval", final)
-    predict_split = "test" if "test" in encoded else "validation" if evaluation is not None else None
-    predictions_file = None
-    if predict_split is not None:
-        output = trainer.predict(encoded[predict_split], metric_key_prefix=predict_split)
-        if predict_split == "test" and "labels" in encoded["test"].column_names:
-            final.update({k: v for k, v in output.metrics.items() if k.startswith("test_")})
-            trainer.log_metrics("test", output.metrics)
+        for split in eval_splits[1:]:  # e.g. MNLI's validation_mismatched
+            other = trainer.evaluate(encoded[split], metric_key_prefix=split)
+            other_metrics.update({k: v for k, v in other.items() if not k.endswith(BOOKKEEPING_SUFFIXES)})
+            trainer.log_metrics(split, other)
+    # Predictions for every test split; without one, for the validation split(s).
+    if not predict_splits:
+        predict_splits = [k for k in split_roles(encoded)[0]]
+    predictions_files = {}
+    for n, split in enumerate(predict_splits):
+        output = trainer.predict(encoded[split], metric_key_prefix=split)
+        if split.startswith("test") and split not in unlabeled and "labels" in encoded[split].column_names:
+            if split == "test":
+                final.update({k: v for k, v in output.metrics.items() if k.startswith("test_")})
+            else:
+                other_metrics.update({k: v for k, v in output.metrics.items() if not k.endswith(BOOKKEEPING_SUFFIXES)})
+            trainer.log_metrics(split, output.metrics)
         if trainer.is_world_process_zero():
-            predictions_file = Path(training_args.output_dir) / "predictions.jsonl"
-            write_predictions(predictions_file, raw[predict_split], output.predictions, task, is_regression,
+            path = Path(training_args.output_dir) / ("predictions.jsonl" if n == 0 else f"predictions_{split}.jsonl")
+            write_predictions(path, raw[split], output.predictions, task, is_regression,
                               label_names, keys, tokenizer, data_args.max_seq_length, label_col)
-            logger.info("wrote %d predictions for the %s split to %s", len(raw[predict_split]), predict_split, predictions_file)
-    trainer.save_metrics("all", final)
+            predictions_files[split] = path.name
+            logger.info("wrote %d predictions for the %s split to %s", len(raw[split]), split, path)
+    predictions_file = Path(predictions_files[predict_splits[0]]) if predictions_files else None
+    trainer.save_metrics("all", {**final, **other_metrics})
 
     if trainer.is_world_process_zero():
         out = Path(training_args.output_dir)
@@ -412,8 +518,11 @@ def main(argv: list[str] | None = None) -> dict:
             # The card's metrics are for one split (validation); test numbers are kept beside them.
             metrics={k: v for k, v in final.items() if k.startswith("eval_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
             test_metrics={k: v for k, v in final.items() if k.startswith("test_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
+            other_split_metrics=other_metrics or None,
+            unlabeled_splits=unlabeled or None,
+            predictions_files=predictions_files or None,
             dataset_config=data_args.dataset_config_name,
-            dataset_split="validation" if evaluation is not None else None,
+            dataset_split=eval_splits[0] if evaluation is not None else None,
             labels=label_names,
             predictions_file=predictions_file.name if predictions_file else None,
         )

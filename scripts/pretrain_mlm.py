@@ -13,6 +13,14 @@ Copy-paste commands (offline; with no data option the embedded corpus is used, s
     # MLM + next-sentence prediction (BertImplForPreTraining), whole-word masking
     python scripts/pretrain_mlm.py --output_dir out/pt --nsp --whole_word_mask --max_steps 1000
 
+    # a corpus larger than memory: streamed from local files (txt / jsonl / csv / parquet, globs allowed),
+    # tokenizer trained on the first --tokenizer_train_samples texts, blocks packed as they stream in
+    python scripts/pretrain_mlm.py --output_dir out/wiki --streaming --train_file 'wiki/*.txt' --max_steps 100000 \
+        --validation_file dev.txt --model_size base --bf16
+
+    # one sequence per text, several texts packed into one row without padding (DataCollatorWithFlattening)
+    python scripts/pretrain_mlm.py --output_dir out/packed --train_file sentences.txt --pack_sequences --max_steps 1000
+
     # continue from a transformers BERT checkpoint, converted on the fly
     python scripts/pretrain_mlm.py --output_dir out/cont --model_name_or_path bert-base-uncased --max_steps 1000
 
@@ -37,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_bert_impl import SIZE_PRESETS, BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining
 from hf_bert_impl import data as D
@@ -61,6 +68,11 @@ class ModelArguments:
         default=None, metadata={"help": "A fast BERT tokenizer (name or path). Default: the model's, else a WordPiece trained on the corpus."}
     )
     tokenizer_vocab_size: int = field(default=8000, metadata={"help": "Vocabulary size of the WordPiece tokenizer trained when none is given."})
+    tokenizer_train_samples: int = field(
+        default=100_000,
+        metadata={"help": "With --streaming: the WordPiece tokenizer (when none is given) is trained on this many "
+                          "first texts of the stream."},
+    )
     sparse_prediction: bool = field(
         default=True,
         metadata={"help": "While training, run the MLM decoder only on masked positions (same loss, less work). "
@@ -89,6 +101,16 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many evaluation examples."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for datasets.map."})
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "Stream --train_file (or --dataset_name) instead of loading it: for corpora larger than memory. "
+                          "Needs --max_steps; evaluation uses --validation_file."},
+    )
+    pack_sequences: bool = field(
+        default=False,
+        metadata={"help": "One sequence per text (long texts cut into pieces) instead of fixed blocks that run across "
+                          "texts; each batch is packed into one row without padding (DataCollatorWithFlattening)."},
+    )
 
 
 def parse_config_overrides(text: str | None) -> dict:
@@ -111,7 +133,35 @@ def parse_config_overrides(text: str | None) -> dict:
 
 
 def load_raw_data(data_args: DataArguments, seed: int):
-    """-> (DatasetDict with "train" and maybe "validation", dataset description for the model card)."""
+    """-> (DatasetDict with "train" and maybe "validation", dataset description for the model card).
+    With --streaming "train" is an IterableDataset, read lazily."""
+    if data_args.dataset_name and (data_args.train_file or data_args.validation_file):
+        raise D.UsageError(
+            f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file are exclusive: give one data source"
+        )
+    if data_args.streaming:
+        import datasets
+
+        if data_args.dataset_name:
+            train = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name, split="train", streaming=True)
+            source = data_args.dataset_name
+        elif data_args.train_file:
+            train = D.stream_data_file(data_args.train_file)
+            source = Path(data_args.train_file).name
+        else:
+            raise D.UsageError("--streaming needs --train_file (or --dataset_name): the embedded corpus is loaded whole")
+        raw = {"train": train.filter(lambda row: isinstance(row.get(data_args.text_column), str)
+                                     and bool(row[data_args.text_column].strip()))}
+        if data_args.validation_file:
+            validation = D.load_data_files(validation_file=data_args.validation_file)["validation"]
+            D.check_columns(validation, [data_args.text_column], f"--validation_file {data_args.validation_file}")
+            raw["validation"] = validation
+        first = next(iter(train.take(1)), None)
+        if first is None:
+            raise D.UsageError(f"{source}: the stream holds no rows")
+        if data_args.text_column not in first:
+            raise D.UsageError(f"{source}: missing column(s) {[data_args.text_column]}; found {sorted(first)}")
+        return raw, source
     if data_args.dataset_name:
         import datasets
 
@@ -139,7 +189,8 @@ def load_raw_data(data_args: DataArguments, seed: int):
     return raw, source
 
 
-def load_tokenizer(model_args: ModelArguments, raw, text_column: str, resume_dir: str | None):
+def load_tokenizer(model_args: ModelArguments, raw, text_column: str, resume_dir: str | None, training_args=None,
+                   streaming: bool = False):
     if model_args.tokenizer_name:
         try:
             return AutoTokenizer.from_pretrained(model_args.tokenizer_name)
@@ -152,9 +203,24 @@ def load_tokenizer(model_args: ModelArguments, raw, text_column: str, resume_dir
             return AutoTokenizer.from_pretrained(candidate)
     if model_args.model_name_or_path and not Path(model_args.model_name_or_path).exists():
         return AutoTokenizer.from_pretrained(model_args.model_name_or_path)  # a Hub id
-    logger.info("training a WordPiece tokenizer (vocab %d) on the training texts", model_args.tokenizer_vocab_size)
-    texts = [t for t in raw["train"][text_column] if isinstance(t, str)]
-    return D.train_wordpiece_tokenizer(texts, vocab_size=model_args.tokenizer_vocab_size)
+    # Trained once, by the main process, into --output_dir; the other processes (other machines too, when
+    # --output_dir is on a shared file system) load it from there once it is written.
+    out = Path(training_args.output_dir)
+    with training_args.main_process_first(desc="training the WordPiece tokenizer", local=False):
+        if training_args.process_index == 0 or not (out / "tokenizer.json").is_file():
+            if streaming:
+                logger.info("training a WordPiece tokenizer (vocab %d) on the first %d texts of the stream",
+                            model_args.tokenizer_vocab_size, model_args.tokenizer_train_samples)
+                texts = (row[text_column] for row in raw["train"].take(model_args.tokenizer_train_samples))
+            else:
+                logger.info("training a WordPiece tokenizer (vocab %d) on the training texts", model_args.tokenizer_vocab_size)
+                texts = (t for t in raw["train"][text_column] if isinstance(t, str))
+            tokenizer = D.train_wordpiece_tokenizer(texts, vocab_size=model_args.tokenizer_vocab_size)
+            if training_args.process_index == 0:
+                out.mkdir(parents=True, exist_ok=True)
+                tokenizer.save_pretrained(out)
+            return tokenizer
+        return AutoTokenizer.from_pretrained(out)
 
 
 def build_model(model_args: ModelArguments, tokenizer, nsp: bool):
@@ -238,21 +304,31 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0.0 < data_args.mlm_probability < 1.0:
         raise D.UsageError(f"--mlm_probability must lie in (0, 1), got {data_args.mlm_probability}")
 
-    resume = training_args.resume_from_checkpoint
-    if resume is not None and resume.lower() == "true":
-        resume = get_last_checkpoint(training_args.output_dir)
-        if resume is None:
-            raise D.UsageError(f"--resume_from_checkpoint true: no checkpoint-* directory in {training_args.output_dir}")
-    elif resume is not None and not Path(resume).is_dir():
-        raise D.UsageError(f"--resume_from_checkpoint {resume}: no such directory")
+    resume = D.resolve_resume_argument(training_args)
 
     set_seed(training_args.seed)
     raw, dataset_source = load_raw_data(data_args, training_args.seed)
-    tokenizer = load_tokenizer(model_args, raw, data_args.text_column, resume)
+    if data_args.streaming and training_args.max_steps <= 0:
+        raise D.UsageError("--streaming needs --max_steps: a stream has no length to count epochs in")
+    if data_args.pack_sequences and data_args.nsp:
+        raise D.UsageError("--pack_sequences packs MLM sequences; next-sentence prediction (--nsp) reads one pair per row")
+    if data_args.pack_sequences and data_args.whole_word_mask:
+        raise D.UsageError("--pack_sequences cannot be combined with --whole_word_mask (packed rows carry no word offsets)")
+    if data_args.pack_sequences and data_args.static_masking:
+        raise D.UsageError("--pack_sequences masks per batch; it cannot be combined with --static_masking")
+    if data_args.streaming and (data_args.nsp or data_args.static_masking):
+        raise D.UsageError("--streaming supports MLM with per-batch masking only (not --nsp or --static_masking)")
+    if model_args.tokenizer_train_samples <= 0:
+        raise D.UsageError(f"--tokenizer_train_samples must be a positive integer, got {model_args.tokenizer_train_samples}")
+    tokenizer = load_tokenizer(model_args, raw, data_args.text_column, resume, training_args, data_args.streaming)
 
     with training_args.main_process_first(desc="tokenizing"):
         if data_args.nsp:
             splits = {k: D.nsp_examples(v, tokenizer, data_args.max_seq_length, training_args.seed, data_args.text_column)
+                      for k, v in raw.items()}
+        elif data_args.pack_sequences:
+            splits = {k: D.tokenize_documents(v, tokenizer, data_args.max_seq_length, data_args.text_column,
+                                              data_args.preprocessing_num_workers, desc=k)
                       for k, v in raw.items()}
         else:
             splits = {k: D.tokenize_and_group(v, tokenizer, data_args.max_seq_length, data_args.text_column,
@@ -260,12 +336,20 @@ def main(argv: list[str] | None = None) -> dict:
                                               with_offsets=data_args.whole_word_mask)
                       for k, v in raw.items()}
     train = splits["train"]
-    if len(train) == 0:
+    if data_args.streaming:
+        if next(iter(train.take(1)), None) is None:
+            raise D.UsageError(
+                f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} tokens; "
+                "add text or lower --max_seq_length"
+            )
+        if data_args.max_train_samples is not None:
+            train = train.take(data_args.max_train_samples)
+    elif len(train) == 0:
         raise D.UsageError(
             f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} tokens; "
             "add text or lower --max_seq_length"
         )
-    if data_args.max_train_samples is not None:
+    if data_args.max_train_samples is not None and not data_args.streaming:
         train = train.select(range(min(len(train), data_args.max_train_samples)))
     evaluation = splits.get("validation")
     if evaluation is not None and len(evaluation) == 0:
@@ -280,8 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
         train = D.mask_once(train, tokenizer, training_args.seed, data_args.mlm_probability, data_args.whole_word_mask)
 
     model = build_model(model_args, tokenizer, data_args.nsp)
-    logger.info("model: %s, %.2fM parameters, %d training examples of %d tokens",
-                type(model).__name__, model.num_parameters() / 1e6, len(train), data_args.max_seq_length)
+    logger.info("model: %s, %.2fM parameters, %s training examples of %d tokens", type(model).__name__,
+                model.num_parameters() / 1e6, "streamed" if data_args.streaming else len(train), data_args.max_seq_length)
     D.default_logging_steps(training_args)
     # The collator needs special_tokens_mask / offset_mapping, which Trainer would drop as columns
     # the model's forward does not take; every column of these datasets is meant for the collator or model.
@@ -289,6 +373,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     collator = D.MLMCollator(tokenizer, data_args.mlm_probability, data_args.whole_word_mask,
                              seed=training_args.seed, rank=training_args.process_index)
+    if data_args.pack_sequences:
+        collator = D.PackedMLMCollator(collator)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -300,9 +386,11 @@ def main(argv: list[str] | None = None) -> dict:
         compute_metrics=compute_metrics if evaluation is not None else None,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics if evaluation is not None else None,
     )
+    # The decoder runs on masked positions only while training; save_pretrained writes the flag as False
+    # (checkpoint-N included), so every saved model returns full logits.
     model.config.sparse_prediction = model_args.sparse_prediction
     train_result = trainer.train(resume_from_checkpoint=resume)
-    model.config.sparse_prediction = False  # what users of the saved model expect: full logits
+    model.config.sparse_prediction = False
     trainer.save_model()
     trainer.save_state()
     metrics = dict(train_result.metrics)
@@ -336,6 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "mlm_probability": data_args.mlm_probability,
                 "whole_word_mask": data_args.whole_word_mask,
                 "next_sentence_prediction": data_args.nsp,
+                "streaming": data_args.streaming,
+                "pack_sequences": data_args.pack_sequences,
                 "model_size": None if model_args.model_name_or_path or model_args.config_name else model_args.model_size,
             },
             metrics={**{k: v for k, v in eval_metrics.items() if k in ("eval_loss", "eval_masked_accuracy", "eval_nsp_accuracy", "perplexity")},

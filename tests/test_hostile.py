@@ -15,6 +15,7 @@ mixed contents."""
 import hashlib
 import json
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -440,50 +441,149 @@ def test_interrupted_new_directory_does_not_exist(tmp_path, debug_config, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-def test_save_interrupted_at_every_file_move_never_loads_mixed(tmp_path, debug_config, monkeypatch):
-    """Kill the swap after k of its file moves, for every k: the directory then loads as the old
-    model, as the new one, or not at all (no config.json), never as a mix."""
+def _old_checkpoint_with_extras(folder, old):
+    old.save_pretrained(folder)
+    (folder / "model-00001-of-00002.safetensors").write_bytes(b"stale shard of an older save")
+    (folder / "tokenizer.json").write_text('{"kept": true}')
+    (folder / "checkpoint-5").mkdir()
+    (folder / "checkpoint-5" / "trainer_state.json").write_text("{}")
+
+
+def _loads_as(folder, old, new) -> str:
+    """'old' or 'new'; fails on a mix, on a missing checkpoint, or on lost user files."""
+    loaded = BertImplModel.from_pretrained(folder)  # raises if nothing loadable is there
+    assert (folder / "tokenizer.json").read_text() == '{"kept": true}'
+    assert (folder / "checkpoint-5" / "trainer_state.json").exists()
+    if _same(loaded, new):
+        assert not (folder / "model-00001-of-00002.safetensors").exists()  # the old save's shard went with it
+        return "new"
+    assert _same(loaded, old), "loads a mixed checkpoint"
+    return "old"
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "rename-fallback"])
+def test_replacing_a_checkpoint_is_atomic_at_every_step(tmp_path, debug_config, monkeypatch, exchange):
+    """Replace an existing checkpoint directory (with a tokenizer, a checkpoint-5 folder and a stale
+    shard of an older save) and make the save fail at each of its steps in turn, then once not at all:
+    after every failure the directory loads as the complete old model, after the last as the complete
+    new one; user files survive; nothing is left beside it. `exchange=False` runs the fallback used
+    where the atomic exchange is unavailable."""
     import os
 
+    import hf_bert_impl.modeling_bert_impl as mb
+
+    if sys.platform.startswith("linux"):
+        probe = tmp_path / "probe"
+        (probe / "a").mkdir(parents=True)
+        (probe / "b").mkdir()
+        assert mb._exchange_directories(str(probe / "a"), str(probe / "b")), "renameat2 exchange unavailable here"
     old, new = _model(debug_config, 0), _model(debug_config, 1, hidden_act="relu")
-    real_replace = os.replace
+    if not exchange:
+        monkeypatch.setattr(mb, "_exchange_directories", lambda a, b: False)
+    real = {"_link_tree": mb._link_tree, "_exchange_directories": mb._exchange_directories,
+            "rename": os.rename, "rmtree": mb.shutil.rmtree}
     outcomes = []
-    for k in range(10):
+    for k in range(20):
         folder = tmp_path / f"ckpt{k}"
-        old.save_pretrained(folder)
-        (folder / "model-00001-of-00002.safetensors").write_bytes(b"stale shard of an older save")
-        calls = []
+        _old_checkpoint_with_extras(folder, old)
+        calls, fired = [], []
 
-        def replace(src, dst, calls=calls, k=k):
-            if len(calls) == k:
-                raise Interrupted(dst)
-            calls.append(dst)
-            return real_replace(src, dst)
+        def failing(name):
+            def call(*args, **kwargs):
+                # the cleanup in `finally` and the recovery after the failure are not steps
+                if not fired and (name != "rmtree" or not kwargs.get("ignore_errors")):
+                    if len(calls) == k:
+                        fired.append(name)
+                        raise Interrupted(f"step {k}: {name}{args}")
+                    calls.append(name)
+                return real[name](*args, **kwargs)
+            return call
 
-        monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(mb, "_link_tree", failing("_link_tree"))
+        monkeypatch.setattr(mb, "_exchange_directories", failing("_exchange_directories") if exchange else (lambda a, b: False))
+        monkeypatch.setattr(mb.os, "rename", failing("rename"))
+        monkeypatch.setattr(mb.shutil, "rmtree", failing("rmtree"))
         try:
             new.save_pretrained(folder)
             finished = True
         except Interrupted:
             finished = False
-        monkeypatch.setattr(os, "replace", real_replace)
-        try:
-            loaded = BertImplModel.from_pretrained(folder)
-        except (OSError, ValueError):
-            outcomes.append("does not load")
-            assert not finished
-            continue
-        if _same(loaded, new):
-            outcomes.append("new")
-        else:
-            assert _same(loaded, old), f"interrupted after {k} moves: loads a mixed checkpoint"
-            outcomes.append("old")
+        monkeypatch.setattr(mb, "_link_tree", real["_link_tree"])
+        monkeypatch.setattr(mb, "_exchange_directories", real["_exchange_directories"] if exchange else (lambda a, b: False))
+        monkeypatch.setattr(mb.os, "rename", real["rename"])
+        monkeypatch.setattr(mb.shutil, "rmtree", real["rmtree"])
+        outcomes.append(_loads_as(folder, old, new))
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(f".ckpt{k}.")] == []
         if finished:
+            assert outcomes[-1] == "new"
             break
-    assert outcomes[-1] == "new" and "does not load" in outcomes, outcomes
-    assert not (folder / "model-00001-of-00002.safetensors").exists()  # the old save's shard is gone
-    assert not [p for p in tmp_path.iterdir() if ".saving-" in p.name and p.name.startswith(f".ckpt{k}")]
-    print(f"interrupted swap outcomes by step: {outcomes}")
+    print(f"interrupted replacement outcomes by step ({'exchange' if exchange else 'fallback'}): {outcomes}")
+    assert outcomes[-1] == "new" and outcomes.count("old") >= 3, outcomes  # link x2, exchange / renames
+
+
+_SAVE_LOOP = """
+import sys, torch
+from hf_bert_impl import BertImplConfig, BertImplModel
+config = BertImplConfig.from_preset("debug", vocab_size=99)
+models = []
+for seed in (0, 1):
+    torch.manual_seed(seed)
+    models.append(BertImplModel(config))
+models[0].save_pretrained(sys.argv[1])
+print("ready", flush=True)
+i = 1
+while True:
+    models[i % 2].save_pretrained(sys.argv[1])
+    i += 1
+"""
+
+
+def test_killed_save_leaves_a_loadable_checkpoint(tmp_path, debug_config):
+    """SIGKILL a process that keeps replacing a checkpoint directory, at several moments: every time
+    the directory loads as one of the two models, and the next save removes the dead save's hidden
+    staging directory."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import torch
+
+    folder = tmp_path / "ckpt"
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(BertImplModel(BertImplConfig.from_preset("debug", vocab_size=99)).eval())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    seen = set()
+    for delay in (0.05, 0.13, 0.29, 0.41):
+        proc = subprocess.Popen([sys.executable, "-c", _SAVE_LOOP, str(folder)], env=env, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        loaded = BertImplModel.from_pretrained(folder).eval()
+        which = [i for i, m in enumerate(models) if _same(loaded, m)]
+        assert len(which) == 1, "the killed save left a checkpoint that is neither model"
+        seen.add(which[0])
+        visible = sorted(p.name for p in folder.iterdir())
+        assert visible == ["config.json", "configuration_bert_impl.py", "model.safetensors", "modeling_bert_impl.py"], visible
+    models[0].save_pretrained(folder)  # the dead processes' staging directories go
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    print(f"models found after kills: {sorted(seen)}")
+
+
+def test_saved_config_never_carries_sparse_prediction(tmp_path, debug_config):
+    """pretrain_mlm.py trains with sparse_prediction on; Trainer's mid-run checkpoint-N saves went
+    through save_pretrained with the flag set, so a loaded checkpoint returned (n, V) logits with labels.
+    The saved config has it off; the live model keeps it (the training keeps its speed)."""
+    model = BertImplForMaskedLM(debug_config(sparse_prediction=True))
+    model.save_pretrained(tmp_path / "ckpt")
+    assert model.config.sparse_prediction is True
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["sparse_prediction"] is False
+    loaded = BertImplForMaskedLM.from_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(5, 99, (2, 7))
+    assert loaded(ids, labels=ids).logits.shape == (2, 7, 99)
 
 
 def test_save_into_existing_directory_keeps_other_files(tmp_path, debug_config):
@@ -555,3 +655,43 @@ def test_tampered_code_files_in_a_checkpoint_are_not_run(saved, tmp_path):
     with pytest.raises(ImportError):
         runpy.run_path(str(folder / "modeling_bert_impl.py"))
     assert markers["modeling_bert_impl.py"].exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Config validation on every assignment, not only in __init__
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("hidden_size", 30, "divisible by num_attention_heads"),
+    ("hidden_size", -3, "positive integer"),
+    ("num_attention_heads", 5, "divisible"),
+    ("hidden_dropout_prob", 1.5, "probability"),
+    ("position_embedding_type", "absolute", "position_embedding_type"),
+    ("hidden_act", "nope", "hidden_act"),
+    ("sparse_prediction", "yes", "True or False"),
+    ("pad_token_id", 500, "pad_token_id"),
+])
+def test_config_assignment_is_validated_and_rolled_back(debug_config, field, value, problem):
+    config = debug_config()
+    before = getattr(config, field)
+    with pytest.raises(ValueError, match=problem) as info:
+        setattr(config, field, value)
+    message = str(info.value)
+    assert field in message and (repr(value) in message or str(value) in message), message
+    assert getattr(config, field) == before  # the bad value did not stay
+    config.hidden_dropout_prob = 0.25  # a good value still goes in
+    assert config.hidden_dropout_prob == 0.25
+
+
+def test_from_pretrained_overrides_are_validated(tmp_path, debug_config):
+    """transformers applies `from_pretrained(dir, field=value)` overrides with setattr after __init__."""
+    BertImplModel(debug_config()).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"hidden_size.*-3"):
+        BertImplConfig.from_pretrained(tmp_path / "ckpt", hidden_size=-3)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(5\)"):
+        BertImplModel.from_pretrained(tmp_path / "ckpt", num_attention_heads=5)
+    with pytest.raises(ValueError, match="attention_probs_dropout_prob"):
+        AutoModel.from_pretrained(tmp_path / "ckpt", attention_probs_dropout_prob=2.0)
+    assert BertImplConfig.from_pretrained(tmp_path / "ckpt", hidden_dropout_prob=0.3).hidden_dropout_prob == 0.3
+    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert not [k for k in saved if k.startswith("_bert_impl")]  # the validation flag is not serialised

@@ -235,7 +235,7 @@ def test_finetune_token_classification_aligns_word_labels(finetune, files, tmp_p
         "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(train),
         "--validation_file", str(dev), "--max_steps", "2", "--per_device_train_batch_size", "6", "--save_strategy", "no", *FAST,
     ])
-    assert {"eval_accuracy", "eval_f1_macro", "eval_f1_micro"} <= set(metrics)
+    assert {"eval_accuracy", "eval_precision", "eval_recall", "eval_f1"} <= set(metrics)  # seqeval, IOB tags
     config, facts = assert_hub_directory(out, "BertImplForTokenClassification")
     assert config["id2label"] == {"0": "B-X", "1": "O"} and facts["task"] == "token-classification"
     predictions = read_jsonl(out / "predictions.jsonl")

@@ -216,34 +216,94 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_weights(corpus_files, tm
     assert state["global_step"] == 6
 
 
+def _script_tokenizer_args(corpus_files, out, *extra):
+    """pretrain_args without --tokenizer_name: the script trains its WordPiece tokenizer (vocab 500)."""
+    args = pretrain_args(corpus_files, out, *extra)
+    i = args.index("--tokenizer_name")
+    return args[:i] + args[i + 2 :] + ["--tokenizer_vocab_size", "500"]
+
+
+MULTI_COMMON = ["--max_steps", "3", "--save_strategy", "no", "--learning_rate", "3e-3",
+                "--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+                "--ddp_find_unused_parameters", "false"]
+LAUNCH_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def _single_process_reference(corpus_files, out, tokenizer_dir):
+    """One process, batch 4, with the tokenizer the multi-process run trained (WordPiece training does not
+    give the same ids twice: tokens of equal rank are numbered in hash order, hence one training, shared)."""
+    args = pretrain_args(corpus_files, out, *MULTI_COMMON, "--per_device_train_batch_size", "4")
+    args[args.index("--tokenizer_name") + 1] = str(tokenizer_dir)
+    load_script("pretrain_mlm").main(args)
+    logs = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    # Not vacuous: every step had a non-zero gradient and learning rate, and AdamW moves each such
+    # weight by about the learning rate (3e-3) per step, far beyond the 1e-5 tolerance.
+    assert len(logs) == 3 and all(h["grad_norm"] > 1e-3 and h["learning_rate"] > 0 for h in logs), logs
+    return weights(out)
+
+
 def test_two_gloo_processes_equal_one_process_over_the_same_global_batches(corpus_files, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on CPU (2 gloo processes, per-device batch 2)
-    against one process with batch 4, 3 AdamW steps. Static masking and no dropout make the global
-    batches identical; accelerate hands consecutive per-device batches of the shared random order to
-    the ranks, so rank 0 + rank 1 = the single run's batch. Tolerance: max |diff| <= 1e-5."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1"}
-    common = ["--max_steps", "3", "--save_strategy", "no", "--static_masking", "--learning_rate", "3e-3",
-              "--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
-              "--ddp_find_unused_parameters", "false"]
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    against one process with batch 4, 3 AdamW steps, with the script's defaults: per-batch masking
+    (each example masked from (seed, step, its place in the global batch), so rank r's slice gets the
+    masks the single process gives it) and a WordPiece tokenizer the script trains (once, on rank 0;
+    rank 1 loads it). No dropout. Tolerance: max |diff| <= 1e-5."""
     multi = subprocess.run(
-        accelerate + [str(REPO_ROOT / "scripts" / "pretrain_mlm.py"),
-                      *pretrain_args(corpus_files, tmp_path / "ddp", *common, "--per_device_train_batch_size", "2")],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         str(REPO_ROOT / "scripts" / "pretrain_mlm.py"),
+         *_script_tokenizer_args(corpus_files, tmp_path / "ddp", *MULTI_COMMON, "--per_device_train_batch_size", "2")],
+        cwd=REPO_ROOT, env={**os.environ, **LAUNCH_ENV}, capture_output=True, text=True, timeout=300,
     )
     assert multi.returncode == 0, multi.stderr[-3000:]
     facts = json.loads((tmp_path / "ddp" / "training_facts.json").read_text())
     assert facts["hyperparameters"]["world_size"] == 2, "accelerate did not start 2 processes"
-
-    load_script("pretrain_mlm").main(
-        pretrain_args(corpus_files, tmp_path / "single", *common, "--per_device_train_batch_size", "4")
-    )
-    a, b = weights(tmp_path / "ddp"), weights(tmp_path / "single")
+    assert multi.stderr.count("training a WordPiece tokenizer") == 1, "the tokenizer must be trained once, on rank 0"
+    a, b = weights(tmp_path / "ddp"), _single_process_reference(corpus_files, tmp_path / "single", tmp_path / "ddp")
     print(f"2 processes vs 1: max |weight diff| {max_weight_diff(a, b):.3e}")
     assert max_weight_diff(a, b) <= 1e-5
-    # Not vacuous: every step had a non-zero gradient and learning rate, and AdamW moves each such
-    # weight by about the learning rate (3e-3) per step, far beyond the 1e-5 tolerance.
-    logs = [h for h in json.loads((tmp_path / "single" / "trainer_state.json").read_text())["log_history"] if "loss" in h]
-    assert len(logs) == 3 and all(h["grad_norm"] > 1e-3 and h["learning_rate"] > 0 for h in logs), logs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machines_on_loopback_equal_one_process(corpus_files, tmp_path):
+    """Two "machines": `accelerate launch --num_machines 2 --machine_rank {0,1} --main_process_ip
+    127.0.0.1 --main_process_port P`, one gloo process each, per-device batch 2, the script's defaults
+    (per-batch masking, a tokenizer trained by machine 0's process into the shared --output_dir and
+    loaded by machine 1's). Must equal one process with batch 4 over 3 AdamW steps: max |diff| <= 1e-5."""
+    port = _free_port()
+    out = tmp_path / "two_machines"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
+             "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+             "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+             str(REPO_ROOT / "scripts" / "pretrain_mlm.py"),
+             *_script_tokenizer_args(corpus_files, out, *MULTI_COMMON, "--per_device_train_batch_size", "2")],
+            cwd=REPO_ROOT, env={**os.environ, **LAUNCH_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=300)
+            results.append((p.returncode, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (code, stderr) in enumerate(results):
+        assert code == 0, f"machine {rank}: {stderr[-3000:]}"
+    facts = json.loads((out / "training_facts.json").read_text())
+    assert facts["hyperparameters"]["world_size"] == 2
+    assert sum(stderr.count("training a WordPiece tokenizer") for _, stderr in results) == 1
+    a, b = weights(out), _single_process_reference(corpus_files, tmp_path / "single", out)
+    print(f"2 machines vs 1 process: max |weight diff| {max_weight_diff(a, b):.3e}")
+    assert max_weight_diff(a, b) <= 1e-5
