@@ -32,11 +32,11 @@ How this file differs from transformers' BERT
        the MLM head runs only on the labelled positions and `logits` is (n_labelled, V), row i
        predicting `labels[labels != -100][i]`; without labels, and always when off, logits are the
        full (b, s, V) of transformers.
-    8. On CPU in float32 the linear layers (`BertImplLinear`) can run their GEMMs on oneDNN, the
+    8. On CPU in float32 and bfloat16 the linear layers (`BertImplLinear`) can run their GEMMs on oneDNN, the
        library torch.compile's CPU backend uses, instead of the BLAS behind torch.mm. The choice is
        made once per process by CPU vendor (`linear_kernel`, `config.onednn_linear="auto"`): oneDNN
        on AMD (where MKL is slow), torch's BLAS on Intel and elsewhere; True / False force it.
-       CUDA, bf16, autocast, tracing, export and torch.compile use nn.Linear's own path.
+       CUDA, float16, autocast, tracing, export and torch.compile use nn.Linear's own path.
 
 Shape legend: b batch, s sequence, h heads, d head dim (d_k), H hidden (= h * d), I intermediate,
 V vocabulary, c choices.
@@ -97,7 +97,24 @@ def _find_onednn_linear():
 
 _ONEDNN_LINEAR = _find_onednn_linear()
 
-# Which GEMM library float32 CPU linear layers use when `config.onednn_linear="auto"`, by CPU vendor
+
+def _onednn_linear_dtypes() -> tuple:
+    """The dtypes the oneDNN linear is used for: float32 always (when the op exists), bfloat16 when
+    the op reproduces F.linear in bfloat16 on a probe (a CPU without native bf16 may lack it)."""
+    if _ONEDNN_LINEAR is None:
+        return ()
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(5, 8, generator=g).bfloat16(), torch.randn(3, 8, generator=g).bfloat16()
+        ok = torch.allclose(_ONEDNN_LINEAR(x, w, None, "none", [], "").float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2)
+        return (torch.float32, torch.bfloat16) if ok else (torch.float32,)
+    except Exception:  # noqa: BLE001
+        return (torch.float32,)
+
+
+_ONEDNN_DTYPES = _onednn_linear_dtypes()
+
+# Which GEMM library float32 / bfloat16 CPU linear layers use when `config.onednn_linear="auto"`, by CPU vendor
 # (read once per process). Measured with scripts/benchmark.py (docs/benchmarks.md): on AMD EPYC
 # (Zen 4) MKL's fp32 GEMM takes a slow path and oneDNN's is about 2x faster; on Intel Xeon MKL is
 # fast and the oneDNN linear loses to it, most in the backward (MLM step 0.77x vs 0.97x), so Intel
@@ -120,7 +137,7 @@ def _cpu_vendor() -> str:
 
 
 def linear_kernel(setting="auto") -> str:
-    """The GEMM library float32 CPU linear layers use for `config.onednn_linear = setting`:
+    """The GEMM library float32 / bfloat16 CPU linear layers use for `config.onednn_linear = setting`:
     "onednn" or "blas" (torch's own, as nn.Linear). True / False force it (True falls back to
     "blas" where this torch build has no usable oneDNN linear); "auto" decides by CPU vendor."""
     if _ONEDNN_LINEAR is None or setting is False:
@@ -200,7 +217,7 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
 
 
 # ----------------------------------------------------------------------------------------------
-# Linear layers on oneDNN (CPU, float32)
+# Linear layers on oneDNN (CPU, float32 and bfloat16)
 
 
 class _OneDNNLinearFunction(torch.autograd.Function):
@@ -229,10 +246,11 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 
 class BertImplLinear(nn.Linear):
-    """nn.Linear whose float32 CPU matmuls run on oneDNN instead of the BLAS behind torch.mm where
+    """nn.Linear whose float32 / bfloat16 CPU matmuls run on oneDNN instead of the BLAS behind torch.mm where
     `linear_kernel(config.onednn_linear)` says so (default "auto": by CPU vendor, decided once per
     process). Same formula, a different GEMM library: on AMD EPYC, where MKL is slow, this is most
-    of the CPU speed-up (docs/benchmarks.md). Whether the weights allow it (a plain float32 CPU
+    of the CPU speed-up (docs/benchmarks.md); in bfloat16 it also fuses the bias add that addmm
+    does as a separate copy. Whether the weights allow it (a plain float32 / bfloat16 CPU
     Parameter) is decided when the module is built or moved (`_apply`: .to(), .float(), ...), not
     per call; per call only what can change between two calls of the same weights is looked at
     (input dtype, autocast, tracing / export / compile). Everything else is nn.Linear's own path."""
@@ -244,8 +262,8 @@ class BertImplLinear(nn.Linear):
 
     def _update_weight_kind(self) -> None:
         w = self.weight
-        self._fp32_cpu_weight = (
-            type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32 and w.device.type == "cpu"
+        self._onednn_weight = (
+            type(w) in (torch.Tensor, nn.Parameter) and w.dtype in _ONEDNN_DTYPES and w.device.type == "cpu"
         )
 
     def _apply(self, fn, *args, **kwargs):
@@ -255,8 +273,8 @@ class BertImplLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
-            self._fp32_cpu_weight
-            and x.dtype == torch.float32
+            self._onednn_weight
+            and x.dtype == self.weight.dtype
             and type(x) is torch.Tensor
             and linear_kernel(self.config.onednn_linear) == "onednn"
             and x.numel() > 0

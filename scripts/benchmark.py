@@ -5,15 +5,18 @@ Copy-paste commands:
     # quick check (tiny model, seconds)
     python scripts/benchmark.py --size tiny
 
-    # the published CPU table (bert-base, sequence 128, batch 8, fp32; a few minutes on 2 cores)
-    python scripts/benchmark.py --size base --json benchmarks/cpu_base_fp32.json
+    # the published tables (bert-base, sequence 128, batch 8, 2 threads; docs/benchmarks.md). Name the
+    # files by CPU kind (lscpu: cpu-amd-zen4, cpu-intel-xeon-amx, ...) and dtype.
+    python scripts/benchmark.py --size base --threads 2 --json benchmarks/cpu-amd-zen4_base_fp32.json
+    python scripts/benchmark.py --size base --threads 2 --dtype bf16 --json benchmarks/cpu-amd-zen4_base_bf16.json
+    python scripts/benchmark.py --size base --threads 2 --against onnxruntime \
+        --json benchmarks/cpu-amd-zen4_base_fp32_onnxruntime.json
 
-    # the same with one torch thread, and with our linear layers on torch's BLAS (the breakdown)
-    python scripts/benchmark.py --size base --threads 1 --json benchmarks/cpu_base_fp32_1thread.json
-    python scripts/benchmark.py --size base --onednn_linear false --json benchmarks/cpu_base_fp32_blas_linear.json
+    # force the linear-layer kernel (default auto: oneDNN on AMD, torch's BLAS on Intel and others)
+    python scripts/benchmark.py --size base --onednn_linear false
+    python scripts/benchmark.py --size base --onednn_linear true
 
-    # bf16, or on a GPU (also against transformers' flash-attention when flash-attn is installed)
-    python scripts/benchmark.py --size base --dtype bf16
+    # on a GPU (also against transformers' flash-attention when flash-attn is installed)
     python scripts/benchmark.py --size base --dtype bf16 --device cuda --backends sdpa,flash_attention_2 \
         --json benchmarks/cuda_base_bf16.json
 
@@ -31,6 +34,12 @@ What it does, per attention backend (`--backends`, transformers and ours both on
        mlm     one training step: forward, backward, AdamW, on grouped text (blocks of seq_len
                tokens) with 15% masking (DataCollatorForLanguageModeling); ours uses
                `sparse_prediction=True` (the MLM decoder runs on the masked positions only);
+       mlm_dense  the same step with ours in its default config (`sparse_prediction=False`, full
+               (b, s, V) logits as transformers);
+     `--against onnxruntime` instead exports transformers' BertModel and ours (scripts/export_onnx.py)
+     to ONNX, runs both in onnxruntime (all graph optimisations, the torch thread count), checks
+     them against the torch models (<= 1e-4 on real tokens) and times ORT(transformers), ours (torch)
+     and ORT(ours) interleaved on fixed and mixed;
   4. measures peak memory (CUDA: torch.cuda.max_memory_allocated; CPU: torch.profiler's
      allocator events summed op by op, see `cpu_peak_and_activations`) and the model-FLOPs utilisation
      against a matmul peak measured in the same run (`matmul_peak_flops`).

@@ -76,8 +76,35 @@ def test_onednn_linear_forward_and_backward_match_nn_linear(debug_config, monkey
     config.onednn_linear = False
     layer(x)
     config.onednn_linear = True
-    layer.to(torch.bfloat16)(x.detach().bfloat16())
+    layer.to(torch.float16)(x.detach().half())
     assert calls == [1]
+
+
+@pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
+def test_onednn_linear_in_bfloat16_matches_nn_linear(debug_config, monkeypatch):
+    """bf16 forward and backward on oneDNN against nn.Linear in bf16: each within 3x nn.Linear's own
+    error against a float32 copy (the bf16 rule of the benchmark), and the oneDNN branch was taken."""
+    config = debug_config(onednn_linear=True)
+    torch.manual_seed(0)
+    layer = mb.BertImplLinear(config, 64, 48)
+    ref32 = torch.nn.Linear(64, 48)
+    ref32.load_state_dict(layer.state_dict())
+    ref16 = copy.deepcopy(ref32).bfloat16()
+    layer.bfloat16()
+    calls = []
+    apply = mb._OneDNNLinearFunction.apply
+    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    x32 = torch.randn(9, 5, 64)
+    g32 = torch.randn(9, 5, 48)
+    results = {}
+    for name, module, dtype in (("onednn", layer, torch.bfloat16), ("linear", ref16, torch.bfloat16), ("fp32", ref32, torch.float32)):
+        x = x32.to(dtype).requires_grad_()
+        y = module(x)
+        y.backward(g32.to(dtype))
+        results[name] = [t.float() for t in (y, x.grad, module.weight.grad, module.bias.grad)]
+    assert calls == [1]
+    for mine, theirs, exact in zip(results["onednn"], results["linear"], results["fp32"]):
+        assert (mine - exact).abs().max() <= 3 * (theirs - exact).abs().max() + 1e-6
 
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
@@ -110,11 +137,13 @@ def test_onednn_linear_setting_is_validated(debug_config):
 
 def test_weight_kind_is_decided_when_moved_not_per_call(debug_config):
     layer = mb.BertImplLinear(debug_config(), 8, 4)
-    assert layer._fp32_cpu_weight
+    assert layer._onednn_weight
+    layer.to(torch.float16)
+    assert not layer._onednn_weight
     layer.to(torch.bfloat16)
-    assert not layer._fp32_cpu_weight
+    assert layer._onednn_weight == (torch.bfloat16 in mb._ONEDNN_DTYPES)
     layer.float()
-    assert layer._fp32_cpu_weight
+    assert layer._onednn_weight
 
 
 @needs_onednn
