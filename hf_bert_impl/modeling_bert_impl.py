@@ -120,20 +120,18 @@ _ONEDNN_DTYPES = _onednn_linear_dtypes()
 # fast and the oneDNN linear loses to it, most in the backward (MLM step 0.77x vs 0.97x), so Intel
 # and any CPU not measured keep torch's own BLAS, as transformers does.
 _AUTO_KERNEL_BY_VENDOR = {"AuthenticAMD": "onednn"}
-_CPU_VENDOR = None
 
 
 def _cpu_vendor() -> str:
-    """The `vendor_id` of /proc/cpuinfo (e.g. AuthenticAMD, GenuineIntel), read once; "" when unknown."""
-    global _CPU_VENDOR
-    if _CPU_VENDOR is None:
-        _CPU_VENDOR = ""
-        try:
-            with open("/proc/cpuinfo") as f:
-                _CPU_VENDOR = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-        except OSError:
-            pass
-    return _CPU_VENDOR
+    """The `vendor_id` of /proc/cpuinfo (e.g. AuthenticAMD, GenuineIntel); "" when unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+_CPU_VENDOR = _cpu_vendor()  # read once, at import (never inside a forward, so torch.compile sees no I/O)
 
 
 def linear_kernel(setting="auto") -> str:
@@ -144,7 +142,7 @@ def linear_kernel(setting="auto") -> str:
         return "blas"
     if setting is True:
         return "onednn"
-    return _AUTO_KERNEL_BY_VENDOR.get(_cpu_vendor(), "blas")
+    return _AUTO_KERNEL_BY_VENDOR.get(_CPU_VENDOR, "blas")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -120,12 +120,11 @@ def test_linear_kernel_is_chosen_by_cpu_vendor_and_forceable(vendor, monkeypatch
     assert {mb.linear_kernel(s) for s in ("auto", True, False)} == {"blas"}
 
 
-def test_cpu_vendor_is_read_once(monkeypatch):
-    monkeypatch.setattr(mb, "_CPU_VENDOR", None)
-    first = mb._cpu_vendor()
-    assert isinstance(first, str) and mb._CPU_VENDOR == first
-    monkeypatch.setattr("builtins.open", lambda *a, **k: pytest.fail("/proc/cpuinfo read a second time"))
-    assert mb._cpu_vendor() == first
+def test_cpu_vendor_is_read_once_at_import(monkeypatch):
+    assert mb._CPU_VENDOR == mb._cpu_vendor()
+    monkeypatch.setattr("builtins.open", lambda *a, **k: pytest.fail("the CPU vendor was read again"))
+    for setting in ("auto", True, False):
+        mb.linear_kernel(setting)
 
 
 def test_onednn_linear_setting_is_validated(debug_config):
