@@ -248,39 +248,30 @@ class BertImplLinear(nn.Linear):
     `linear_kernel(config.onednn_linear)` says so (default "auto": by CPU vendor, decided once per
     process). Same formula, a different GEMM library: on AMD EPYC, where MKL is slow, this is most
     of the CPU speed-up (docs/benchmarks.md); in bfloat16 it also fuses the bias add that addmm
-    does as a separate copy. Whether the weights allow it (a plain float32 / bfloat16 CPU
-    Parameter) is decided when the module is built or moved (`_apply`: .to(), .float(), ...), not
-    per call; per call only what can change between two calls of the same weights is looked at
-    (input dtype, autocast, tracing / export / compile). Everything else is nn.Linear's own path."""
+    does as a separate copy. The library is chosen once per process; per call only what can change
+    between two calls is looked at: the weight's and input's dtype and device (a model is moved,
+    cast, or built on the meta device and loaded), autocast, tracing / export / compile. Everything
+    else is nn.Linear's own path."""
 
     def __init__(self, config: BertImplConfig, in_features: int, out_features: int):
         super().__init__(in_features, out_features)
         self.config = config
-        self._update_weight_kind()
-
-    def _update_weight_kind(self) -> None:
-        w = self.weight
-        self._onednn_weight = (
-            type(w) in (torch.Tensor, nn.Parameter) and w.dtype in _ONEDNN_DTYPES and w.device.type == "cpu"
-        )
-
-    def _apply(self, fn, *args, **kwargs):
-        module = super()._apply(fn, *args, **kwargs)
-        self._update_weight_kind()
-        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
         if (
-            self._onednn_weight
-            and x.dtype == self.weight.dtype
+            x.dtype == w.dtype
+            and x.dtype in _ONEDNN_DTYPES
+            and w.device.type == "cpu"
             and type(x) is torch.Tensor
+            and type(w) in (torch.Tensor, nn.Parameter)
             and linear_kernel(self.config.onednn_linear) == "onednn"
             and x.numel() > 0
             and not _in_graph_capture()
             and not torch.is_autocast_enabled("cpu")
         ):
-            return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return _OneDNNLinearFunction.apply(x, w, self.bias)
+        return F.linear(x, w, self.bias)
 
 
 def _in_graph_capture() -> bool:

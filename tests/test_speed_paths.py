@@ -134,15 +134,24 @@ def test_onednn_linear_setting_is_validated(debug_config):
             debug_config(onednn_linear=bad)
 
 
-def test_weight_kind_is_decided_when_moved_not_per_call(debug_config):
-    layer = mb.BertImplLinear(debug_config(), 8, 4)
-    assert layer._onednn_weight
-    layer.to(torch.float16)
-    assert not layer._onednn_weight
-    layer.to(torch.bfloat16)
-    assert layer._onednn_weight == (torch.bfloat16 in mb._ONEDNN_DTYPES)
-    layer.float()
-    assert layer._onednn_weight
+@needs_onednn
+def test_a_loaded_or_moved_model_takes_the_onednn_branch(debug_config, tmp_path, monkeypatch):
+    """from_pretrained builds on the meta device and then loads weights; .to() moves and casts: the
+    branch follows the weights as they are when called, not as they were when built."""
+    calls = []
+    apply = mb._OneDNNLinearFunction.apply
+    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    BertImplModel(debug_config(onednn_linear=True)).save_pretrained(tmp_path)
+    model = BertImplModel.from_pretrained(tmp_path).eval()
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with torch.no_grad():
+        model(ids)
+        assert len(calls) > 0
+        del calls[:]
+        model.to(torch.float16)(ids)
+        assert calls == []
+        model.to(torch.bfloat16)(ids)
+        assert bool(calls) == (torch.bfloat16 in mb._ONEDNN_DTYPES)
 
 
 @needs_onednn
