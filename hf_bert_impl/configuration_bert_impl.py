@@ -110,8 +110,10 @@ class BertImplConfig(PretrainedConfig):
         sparse_prediction: when MLM labels are given, run the decoder only on labelled positions;
             `logits` is then (n_labelled, V). Default False (transformers' full (b, s, V) logits);
             `scripts/pretrain_mlm.py` turns it on while training.
-        onednn_linear: float32 CPU linear layers use oneDNN's GEMM instead of the BLAS behind
-            torch.mm (checked against F.linear once at import; off where unavailable). Default True.
+        onednn_linear: which GEMM library float32 CPU linear layers use: "auto" (default) decides
+            once per process by CPU vendor (oneDNN on AMD, where MKL's fp32 GEMM is slow; torch's
+            BLAS on Intel and other CPUs), True forces oneDNN (checked against F.linear once at
+            import; torch's BLAS where unavailable), False forces torch's BLAS (as nn.Linear).
     """
 
     model_type = "bert_impl"
@@ -135,7 +137,7 @@ class BertImplConfig(PretrainedConfig):
         position_embedding_type="sinusoidal",
         unpad_inputs=True,
         sparse_prediction=False,
-        onednn_linear=True,
+        onednn_linear="auto",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -248,9 +250,11 @@ class BertImplConfig(PretrainedConfig):
                 f"BertImplConfig.position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
                 f"got {self.position_embedding_type!r}{hint}"
             )
-        for field in ("unpad_inputs", "sparse_prediction", "onednn_linear"):
+        for field in ("unpad_inputs", "sparse_prediction"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"BertImplConfig.{field} must be True or False, got {getattr(self, field)!r}")
+        if not (isinstance(self.onednn_linear, bool) or self.onednn_linear == "auto"):
+            raise ValueError(f"BertImplConfig.onednn_linear must be 'auto', True or False, got {self.onednn_linear!r}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"BertImplConfig.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         for field in ("initializer_range", "layer_norm_eps"):

@@ -32,10 +32,11 @@ How this file differs from transformers' BERT
        the MLM head runs only on the labelled positions and `logits` is (n_labelled, V), row i
        predicting `labels[labels != -100][i]`; without labels, and always when off, logits are the
        full (b, s, V) of transformers.
-    8. On CPU in float32 the linear layers (`BertImplLinear`) run their GEMMs on oneDNN, the library
-       torch.compile's CPU backend uses, instead of the BLAS behind torch.mm (MKL, slow on AMD CPUs);
-       `config.onednn_linear=False` turns it off. CUDA, bf16, autocast, tracing, export and
-       torch.compile use nn.Linear's own path.
+    8. On CPU in float32 and bfloat16 the linear layers (`BertImplLinear`) can run their GEMMs on oneDNN, the
+       library torch.compile's CPU backend uses, instead of the BLAS behind torch.mm. The choice is
+       made once per process by CPU vendor (`linear_kernel`, `config.onednn_linear="auto"`): oneDNN
+       on AMD (where MKL is slow), torch's BLAS on Intel and elsewhere; True / False force it.
+       CUDA, float16, autocast, tracing, export and torch.compile use nn.Linear's own path.
 
 Shape legend: b batch, s sequence, h heads, d head dim (d_k), H hidden (= h * d), I intermediate,
 V vocabulary, c choices.
@@ -140,6 +141,53 @@ def _find_onednn_linear():
 _ONEDNN_LINEAR = _find_onednn_linear()
 
 
+def _onednn_linear_dtypes() -> tuple:
+    """The dtypes the oneDNN linear is used for: float32 always (when the op exists), bfloat16 when
+    the op reproduces F.linear in bfloat16 on a probe (a CPU without native bf16 may lack it)."""
+    if _ONEDNN_LINEAR is None:
+        return ()
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(5, 8, generator=g).bfloat16(), torch.randn(3, 8, generator=g).bfloat16()
+        ok = torch.allclose(_ONEDNN_LINEAR(x, w, None, "none", [], "").float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2)
+        return (torch.float32, torch.bfloat16) if ok else (torch.float32,)
+    except Exception:  # noqa: BLE001
+        return (torch.float32,)
+
+
+_ONEDNN_DTYPES = _onednn_linear_dtypes()
+
+# Which GEMM library float32 / bfloat16 CPU linear layers use when `config.onednn_linear="auto"`, by CPU vendor
+# (read once per process). Measured with scripts/benchmark.py (docs/benchmarks.md): on AMD EPYC
+# (Zen 4) MKL's fp32 GEMM takes a slow path and oneDNN's is about 2x faster; on Intel Xeon MKL is
+# fast and the oneDNN linear loses to it, most in the backward (MLM step 0.77x vs 0.97x), so Intel
+# and any CPU not measured keep torch's own BLAS, as transformers does.
+_AUTO_KERNEL_BY_VENDOR = {"AuthenticAMD": "onednn"}
+
+
+def _cpu_vendor() -> str:
+    """The `vendor_id` of /proc/cpuinfo (e.g. AuthenticAMD, GenuineIntel); "" when unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+_CPU_VENDOR = _cpu_vendor()  # read once, at import (never inside a forward, so torch.compile sees no I/O)
+
+
+def linear_kernel(setting="auto") -> str:
+    """The GEMM library float32 / bfloat16 CPU linear layers use for `config.onednn_linear = setting`:
+    "onednn" or "blas" (torch's own, as nn.Linear). True / False force it (True falls back to
+    "blas" where this torch build has no usable oneDNN linear); "auto" decides by CPU vendor."""
+    if _ONEDNN_LINEAR is None or setting is False:
+        return "blas"
+    if setting is True:
+        return "onednn"
+    return _AUTO_KERNEL_BY_VENDOR.get(_CPU_VENDOR, "blas")
+
+
 # ----------------------------------------------------------------------------------------------
 # The formulas
 
@@ -210,7 +258,7 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
 
 
 # ----------------------------------------------------------------------------------------------
-# Linear layers on oneDNN (CPU, float32)
+# Linear layers on oneDNN (CPU, float32 and bfloat16)
 
 
 class _OneDNNLinearFunction(torch.autograd.Function):
@@ -239,34 +287,44 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 
 class BertImplLinear(nn.Linear):
-    """nn.Linear whose float32 CPU matmuls run on oneDNN instead of the BLAS behind torch.mm, when
-    `config.onednn_linear` (default True) allows. Same formula, a different GEMM library: on CPUs where
-    the BLAS is slow (MKL on AMD EPYC: about half oneDNN's speed, see the README's benchmark) this is
-    most of the CPU speed-up. Anything else (CUDA, bf16, autocast, tracing, export, torch.compile,
-    tensor subclasses) takes nn.Linear's own path."""
+    """nn.Linear whose float32 / bfloat16 CPU matmuls run on oneDNN instead of the BLAS behind torch.mm where
+    `linear_kernel(config.onednn_linear)` says so (default "auto": by CPU vendor, decided once per
+    process). Same formula, a different GEMM library: on AMD EPYC, where MKL is slow, this is most
+    of the CPU speed-up (docs/benchmarks.md); in bfloat16 it also fuses the bias add that addmm
+    does as a separate copy. The library is chosen once per process; per call only what can change
+    between two calls is looked at: the weight's and input's dtype and device (a model is moved,
+    cast, or built on the meta device and loaded), autocast, tracing / export / compile. Everything
+    else is nn.Linear's own path."""
 
     def __init__(self, config: BertImplConfig, in_features: int, out_features: int):
         super().__init__(in_features, out_features)
         self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
         if (
-            _ONEDNN_LINEAR is not None
+            x.dtype == w.dtype
+            and x.dtype in _ONEDNN_DTYPES
+            and w.device.type == "cpu"
             and type(x) is torch.Tensor
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and type(self.weight) in (torch.Tensor, nn.Parameter)
-            and self.weight.dtype == torch.float32
-            and self.config.onednn_linear
+            and type(w) in (torch.Tensor, nn.Parameter)
+            and linear_kernel(self.config.onednn_linear) == "onednn"
             and x.numel() > 0
+            and not _in_graph_capture()
             and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling()
-            and not torch.jit.is_tracing()
-            and not torch.jit.is_scripting()
-            and not torch.onnx.is_in_onnx_export()
         ):
-            return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return _OneDNNLinearFunction.apply(x, w, self.bias)
+        return F.linear(x, w, self.bias)
+
+
+def _in_graph_capture() -> bool:
+    """torch.compile, TorchScript tracing / scripting or ONNX export: they take nn.Linear's own op."""
+    return (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch.jit.is_scripting()
+        or torch.onnx.is_in_onnx_export()
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -649,7 +707,11 @@ class BertImplPreTrainedModel(PreTrainedModel):
 
     def _check_model_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
         """Turn inputs that torch would reject with an opaque IndexError into a ValueError that
-        names the value. Skipped while compiling (data-dependent checks would break the graph)."""
+        names the value. Skipped while compiling (data-dependent checks would break the graph).
+        Value checks read the tensors on the host only when they are on the CPU; on an accelerator
+        that would make every forward wait for the device, so there they run as asynchronous device
+        asserts (`torch._assert_async`): the error names the tensor and the allowed range, and
+        surfaces at the next synchronisation."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
@@ -675,38 +737,62 @@ class BertImplPreTrainedModel(PreTrainedModel):
                 continue
             if tuple(ids.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(ids.shape)} but the input has shape {shape}")
+            hint = f"check that the tokenizer matches this model (config.{field} = {limit})"
+            if not _values_on_host(ids):
+                _device_assert(((ids >= 0) & (ids < limit)).all(), f"{name} contains an id outside [0, {field}={limit}); {hint}")
+                continue
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= limit:
                 bad = low if low < 0 else high
-                raise ValueError(
-                    f"{name} contains {bad}, outside [0, {field}={limit}); check that the tokenizer "
-                    f"matches this model (config.{field} = {limit})"
-                )
+                raise ValueError(f"{name} contains {bad}, outside [0, {field}={limit}); {hint}")
         if attention_mask is not None and tuple(attention_mask.shape) != shape:
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)} but the input has shape {shape}; "
                 "pass a (batch, sequence) mask of 1 for tokens and 0 for padding"
             )
-        if attention_mask is not None and not (attention_mask.eq(0) | attention_mask.eq(1)).all():
-            values = attention_mask.unique().tolist()
-            raise ValueError(
-                f"attention_mask must hold 1 for tokens and 0 for padding, got values {values[:8]}"
-                + (" ..." if len(values) > 8 else "")
-            )
+        if attention_mask is not None:
+            binary = attention_mask.eq(0) | attention_mask.eq(1)
+            if not _values_on_host(attention_mask):
+                _device_assert(binary.all(), "attention_mask must hold 1 for tokens and 0 for padding, got other values")
+            elif not binary.all():
+                values = attention_mask.unique().tolist()
+                raise ValueError(
+                    f"attention_mask must hold 1 for tokens and 0 for padding, got values {values[:8]}"
+                    + (" ..." if len(values) > 8 else "")
+                )
         if position_ids is not None:
             pshape = tuple(position_ids.shape)
             if len(pshape) != 2 or pshape[1] != shape[1] or pshape[0] not in (1, shape[0]):
                 raise ValueError(f"position_ids has shape {pshape}; pass (batch, sequence) or (1, sequence) for input shape {shape}")
-            if int(position_ids.min()) < 0:
+            if not _values_on_host(position_ids):
+                _device_assert((position_ids >= 0).all(), "position_ids contains a negative value; positions start at 0")
+            elif int(position_ids.min()) < 0:
                 raise ValueError(f"position_ids contains {int(position_ids.min())}; positions start at 0")
         if config.position_embedding_type == "learned":
+            limit = config.max_position_embeddings
+            message = (
+                "sequence needs position {} but learned positions stop at "
+                f"max_position_embeddings - 1 = {limit - 1}; truncate the input "
+                "(tokenizer(..., truncation=True)) or use position_embedding_type='sinusoidal'"
+            )
+            if position_ids is not None and not _values_on_host(position_ids):
+                _device_assert((position_ids < limit).all(), message.format(f">= {limit}"))
+                return
             longest = int(position_ids.max()) + 1 if position_ids is not None else shape[1]
-            if longest > config.max_position_embeddings:
-                raise ValueError(
-                    f"sequence needs position {longest - 1} but learned positions stop at "
-                    f"max_position_embeddings - 1 = {config.max_position_embeddings - 1}; truncate the input "
-                    "(tokenizer(..., truncation=True)) or use position_embedding_type='sinusoidal'"
-                )
+            if longest > limit:
+                raise ValueError(message.format(longest - 1))
+
+
+def _values_on_host(t: torch.Tensor) -> bool:
+    """Whether an input check may read `t`'s values on the host: yes on the CPU; on an accelerator
+    (CUDA, ...) reading them would synchronise with the device on every forward."""
+    return t.device.type == "cpu"
+
+
+def _device_assert(condition: torch.Tensor, message: str) -> None:
+    """An assert that runs on the device without a host sync: a failing one raises at the next
+    synchronisation (on CUDA a device-side assert naming `message`)."""
+    torch._assert_async(condition, message)
 
 
 @dataclass

@@ -5,15 +5,18 @@ Copy-paste commands:
     # quick check (tiny model, seconds)
     python scripts/benchmark.py --size tiny
 
-    # the published CPU table (bert-base, sequence 128, batch 8, fp32; a few minutes on 2 cores)
-    python scripts/benchmark.py --size base --json benchmarks/cpu_base_fp32.json
+    # the published tables (bert-base, sequence 128, batch 8, 2 threads; docs/benchmarks.md). Name the
+    # files by CPU kind (lscpu: cpu-amd-zen4, cpu-intel-xeon-amx, ...) and dtype.
+    python scripts/benchmark.py --size base --threads 2 --json benchmarks/cpu-amd-zen4_base_fp32.json
+    python scripts/benchmark.py --size base --threads 2 --dtype bf16 --json benchmarks/cpu-amd-zen4_base_bf16.json
+    python scripts/benchmark.py --size base --threads 2 --against onnxruntime \
+        --json benchmarks/cpu-amd-zen4_base_fp32_onnxruntime.json
 
-    # the same with one torch thread, and with our linear layers on torch's BLAS (the breakdown)
-    python scripts/benchmark.py --size base --threads 1 --json benchmarks/cpu_base_fp32_1thread.json
-    python scripts/benchmark.py --size base --onednn_linear false --json benchmarks/cpu_base_fp32_blas_linear.json
+    # force the linear-layer kernel (default auto: oneDNN on AMD, torch's BLAS on Intel and others)
+    python scripts/benchmark.py --size base --onednn_linear false
+    python scripts/benchmark.py --size base --onednn_linear true
 
-    # bf16, or on a GPU (also against transformers' flash-attention when flash-attn is installed)
-    python scripts/benchmark.py --size base --dtype bf16
+    # on a GPU (also against transformers' flash-attention when flash-attn is installed)
     python scripts/benchmark.py --size base --dtype bf16 --device cuda --backends sdpa,flash_attention_2 \
         --json benchmarks/cuda_base_bf16.json
 
@@ -31,6 +34,12 @@ What it does, per attention backend (`--backends`, transformers and ours both on
        mlm     one training step: forward, backward, AdamW, on grouped text (blocks of seq_len
                tokens) with 15% masking (DataCollatorForLanguageModeling); ours uses
                `sparse_prediction=True` (the MLM decoder runs on the masked positions only);
+       mlm_dense  the same step with ours in its default config (`sparse_prediction=False`, full
+               (b, s, V) logits as transformers);
+     `--against onnxruntime` instead exports transformers' BertModel and ours (scripts/export_onnx.py)
+     to ONNX, runs both in onnxruntime (all graph optimisations, the torch thread count), checks
+     them against the torch models (<= 1e-4 on real tokens) and times ORT(transformers), ours (torch)
+     and ORT(ours) interleaved on fixed and mixed;
   4. measures peak memory (CUDA: torch.cuda.max_memory_allocated; CPU: torch.profiler's
      allocator events summed op by op, see `cpu_peak_and_activations`) and the model-FLOPs utilisation
      against a matmul peak measured in the same run (`matmul_peak_flops`).
@@ -62,10 +71,17 @@ from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
 from hf_bert_impl.modeling_bert_impl import _ONEDNN_LINEAR as ONEDNN_LINEAR
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-WORKLOADS = ("fixed", "mixed", "mlm")
+WORKLOADS = ("fixed", "mixed", "mlm", "mlm_dense")
 # The issue's targets (bert-base, seq 128, batch 8, fp32, CPU): ours / transformers sdpa.
+# mlm: ours with sparse_prediction=True (as scripts/pretrain_mlm.py trains); mlm_dense: the default
+# config (sparse_prediction=False, full (b, s, V) logits, as transformers).
 TARGETS = {"fixed": ("tokens/s", 1.05), "mixed": ("real tokens/s", 1.6), "mlm": ("tokens/s", 1.3),
-           "mlm_memory": ("peak memory", 1.0)}
+           "mlm_dense": ("tokens/s", 1.0), "mlm_memory": ("peak memory", 1.0)}
+# bf16 targets (issue 11): fixed >= 1.3x with MFU >= 60% of the bf16 matmul peak, mixed >= 2.5x, MLM >= 1.5x.
+TARGETS_BF16 = {"fixed": ("tokens/s", 1.3), "mixed": ("real tokens/s", 2.5), "mlm": ("tokens/s", 1.5),
+                "mlm_dense": ("tokens/s", 1.0)}
+# against onnxruntime (fp32): ours / ORT running transformers' exported BERT.
+TARGETS_ORT = {"fixed": ("tokens/s", 1.0), "mixed": ("real tokens/s", 2.0)}
 
 
 @dataclass
@@ -76,15 +92,23 @@ class BenchmarkArguments:
     dtype: str = field(default="fp32", metadata={"help": "fp32 or bf16"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu or cuda"})
     backends: str = field(default="sdpa", metadata={"help": "comma-separated attention backends, e.g. sdpa,flash_attention_2"})
-    workloads: str = field(default="fixed,mixed,mlm", metadata={"help": "comma-separated subset of fixed,mixed,mlm"})
+    workloads: str = field(
+        default="fixed,mixed,mlm,mlm_dense",
+        metadata={"help": "comma-separated subset of fixed,mixed,mlm (ours with sparse_prediction), mlm_dense (default config)"},
+    )
+    against: str = field(
+        default="transformers",
+        metadata={"help": "transformers (in torch) or onnxruntime (transformers' BERT and ours exported to ONNX; fixed, mixed)"},
+    )
     pairs: int = field(default=0, metadata={"help": "timed (transformers, ours) pairs per workload; 0 = 20 for tiny, 7 for base"})
     warmup: int = field(default=2, metadata={"help": "untimed pairs before timing"})
     mlm_probability: float = field(default=0.15)
     seed: int = field(default=0)
     threads: int = field(default=0, metadata={"help": "torch.set_num_threads; 0 leaves torch's default"})
     memory: bool = field(default=True, metadata={"help": "measure peak memory (one extra profiled run per model)"})
-    onednn_linear: bool = field(
-        default=True, metadata={"help": "ours: float32 CPU linear layers on oneDNN (--onednn_linear false: torch's BLAS, as transformers)"}
+    onednn_linear: str = field(
+        default="auto",
+        metadata={"help": "ours: float32 CPU linear layers: auto (by CPU vendor), true (oneDNN) or false (torch's BLAS)"},
     )
     json: str | None = field(default=None, metadata={"help": "also write every number to this JSON file"})
 
@@ -112,6 +136,15 @@ def check_args(args: BenchmarkArguments) -> None:
         fail(f"--batch_size must be >= 1 and --pairs / --warmup >= 0, got {args.batch_size}, {args.pairs}, {args.warmup}")
     if not 0.0 < args.mlm_probability < 1.0:
         fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
+    if args.onednn_linear not in ("auto", "true", "false"):
+        fail(f"--onednn_linear must be auto, true or false, got {args.onednn_linear!r}")
+    if args.against not in ("transformers", "onnxruntime"):
+        fail(f"--against must be transformers or onnxruntime, got {args.against!r}")
+    if args.against == "onnxruntime":
+        if args.dtype != "fp32" or args.device == "cuda":
+            fail(f"--against onnxruntime runs on the CPU in fp32, got --dtype {args.dtype} --device {args.device}")
+        if any(w not in ("fixed", "mixed") for w in args.workloads.split(",")):
+            args.workloads = ",".join(w for w in args.workloads.split(",") if w in ("fixed", "mixed")) or "fixed,mixed"
     for b in args.backends.split(","):
         if b not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
             fail(f"unknown attention backend {b!r} in --backends")
@@ -131,7 +164,7 @@ def build_models(args, backend: str, device, dtype):
     hf = BertForMaskedLM(hf_config)
     ours = from_hf_bert(hf, BertImplForMaskedLM)
     ours.config.sparse_prediction = True
-    ours.config.onednn_linear = args.onednn_linear
+    ours.config.onednn_linear = {"auto": "auto", "true": True, "false": False}[args.onednn_linear]
     ours.set_attn_implementation(backend)
     return hf.to(device, dtype), ours.to(device, dtype)
 
@@ -262,6 +295,13 @@ def check_outputs(args, hf, ours, batches, dtype, backend) -> dict:
         for key, p in ours.named_parameters():
             worst = max(worst, (p.grad - hf_grads[key]).abs().max().item())
         report["mlm_grad_max_abs_diff"] = worst
+        if "mlm_dense" in args.workloads.split(","):  # the default config: full (b, s, V) logits
+            ours.config.sparse_prediction = False
+            with torch.no_grad():
+                out_c = ours(**x)
+            ours.config.sparse_prediction = True
+            report["mlm_dense_loss_abs_diff"] = abs(out_a.loss.item() - out_c.loss.item())
+            report["mlm_dense_logits_max_abs_diff"] = (out_a.logits - out_c.logits).abs().max().item()
         bad = {k: v for k, v in report.items() if v > 1e-5 or not math.isfinite(v)}
         if bad:
             fail(f"[{backend}] outputs differ from transformers by more than 1e-5 (fp32): {bad}")
@@ -293,8 +333,12 @@ def step_fn(model, workload, batch, optimizer):
                 model.bert(**batch)
         return run
 
+    sparse = workload == "mlm"
+
     def train():
         optimizer.zero_grad(set_to_none=True)
+        if hasattr(model.config, "sparse_prediction"):  # ours: mlm sparse, mlm_dense the default config
+            model.config.sparse_prediction = sparse
         model(**batch).loss.backward()
         optimizer.step()
     return train
@@ -417,6 +461,8 @@ def model_flops(config, workload, lengths, n_masked) -> float:
     flops = n_layers * (tokens * 2 * (4 * H * H + 2 * H * I) + sum(4 * L * L * H for L in lengths))
     if workload == "mlm":
         flops = 3 * (flops + n_masked * (2 * H * H + 2 * H * V))
+    elif workload == "mlm_dense":  # the head on every position
+        flops = 3 * (flops + tokens * (2 * H * H + 2 * H * V))
     return flops
 
 
@@ -449,11 +495,11 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks):
     pairs = args.pairs or (20 if args.size == "tiny" else 7)
     results = {}
     for workload in args.workloads.split(","):
-        batch = batches[workload]
+        batch = batches["mlm" if workload == "mlm_dense" else workload]
         mask = batch["attention_mask"]
         real_lengths = mask.sum(1).tolist()
-        n_masked = int(batch["labels"].ne(-100).sum()) if workload == "mlm" else 0
-        training = workload == "mlm"
+        training = workload in ("mlm", "mlm_dense")
+        n_masked = int(batch["labels"].ne(-100).sum()) if training else 0
         for m in (hf, ours):
             m.train(training)
         opt_a = torch.optim.AdamW(hf.parameters(), lr=1e-5) if training else None
@@ -464,6 +510,7 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks):
         flops = model_flops(ours.config, workload, real_lengths, n_masked)
         padded_tokens, real_tokens = mask.numel(), int(mask.sum())
         row = {"pairs": pairs, "real_token_fraction": real_tokens / padded_tokens, "model_flops": flops,
+               "load_average_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
                "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
         for tag, times in (("transformers", times_a), ("ours", times_b)):
             t = statistics.median(times)
@@ -486,6 +533,152 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks):
     return {"checks": checks, "workloads": results, "mixed_lengths": lengths, "text": source}
 
 
+# ----------------------------------------------------------------------------------------------
+# Against onnxruntime
+
+
+class _LastHiddenState(torch.nn.Module):
+    """transformers' BertModel with one output, last_hidden_state (what is compared and timed)."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+
+
+def _export_onnx_module():
+    """scripts/export_onnx.py (our own export, with its dynamic shapes), imported by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_onnx", os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_onnx.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def onnx_sessions(hf, ours, threads: int, workdir: str) -> dict:
+    """transformers' BertModel and ours, each exported to ONNX (torch's dynamo exporter, dynamic batch
+    and sequence) and loaded in onnxruntime with every graph optimisation, `threads` intra-op threads."""
+    import onnxruntime as ort
+
+    exporter = _export_onnx_module()
+    hf_path, ours_path = os.path.join(workdir, "transformers_bert.onnx"), os.path.join(workdir, "bert_impl.onnx")
+    hf_model = _LastHiddenState(hf.bert).eval()
+    example = exporter.sample_inputs(ours.bert, batch=3, seq=7)
+    with torch.no_grad():
+        torch.onnx.export(
+            hf_model, (), hf_path, kwargs=example, dynamic_shapes=exporter.dynamic_shapes(ours.bert),
+            input_names=list(exporter.INPUT_NAMES), output_names=["last_hidden_state"], opset_version=18,
+            dynamo=True, verbose=False,
+        )
+    exporter.export_onnx(ours.bert.eval(), ours_path)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return {name: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+            for name, path in (("onnxruntime_transformers", hf_path), ("onnxruntime_ours", ours_path))}
+
+
+class _Session:
+    """An onnxruntime session called like our encoder: run(feed) -> the first output (last_hidden_state)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.inputs = [i.name for i in session.get_inputs()]
+
+    def __call__(self, batch):
+        feed = {k: batch[k].numpy() for k in self.inputs}
+        return torch.from_numpy(self.session.run(None, feed)[0])
+
+
+def run_onnxruntime(args, device, tokenizer, peaks):
+    """ours (torch) vs onnxruntime running transformers' BERT, and our own ONNX export, same weights;
+    outputs checked (<= 1e-4 on real tokens) before timing, then timed interleaved (ORT-transformers,
+    ours, ORT-ours, ...)."""
+    import tempfile
+
+    hf, ours = build_models(args, "sdpa", device, torch.float32)
+    hf.eval()
+    ours.eval()
+    batches, lengths, source = make_batches(args, tokenizer, device)
+    for b in batches.values():
+        b.setdefault("token_type_ids", torch.zeros_like(b["input_ids"]))
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as workdir:
+        sessions = {k: _Session(v) for k, v in onnx_sessions(hf, ours, threads, workdir).items()}
+        checks = {}
+        for name in ("fixed", "mixed"):
+            x = {k: batches[name][k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+            real = x["attention_mask"].bool()
+            with torch.no_grad():
+                ref = hf.bert(**x).last_hidden_state
+                mine = ours.bert(**x).last_hidden_state
+            for tag, session in sessions.items():
+                out = session(x)
+                checks[f"{name}_{tag}_vs_ours"] = (out - mine)[real].abs().max().item()
+                checks[f"{name}_{tag}_vs_transformers"] = (out - ref)[real].abs().max().item()
+        print("[onnxruntime] outputs (max |diff| on real tokens): " + ", ".join(f"{k}={v:.2e}" for k, v in checks.items()))
+        bad = {k: v for k, v in checks.items() if not v <= 1e-4}
+        if bad:
+            fail(f"onnxruntime outputs differ by more than 1e-4: {bad}")
+        pairs = args.pairs or (20 if args.size == "tiny" else 7)
+        results = {}
+        for workload in args.workloads.split(","):
+            batch = {k: batches[workload][k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+            mask = batch["attention_mask"]
+            fns = {"onnxruntime_transformers": lambda b=batch: sessions["onnxruntime_transformers"](b),
+                   "ours": step_fn(ours, workload, batch, None),
+                   "onnxruntime_ours": lambda b=batch: sessions["onnxruntime_ours"](b)}
+            times = {k: [] for k in fns}
+            for i in range(args.warmup + pairs):
+                for k, fn in fns.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    if i >= args.warmup:
+                        times[k].append(time.perf_counter() - t0)
+            padded_tokens, real_tokens = mask.numel(), int(mask.sum())
+            flops = model_flops(ours.config, workload, mask.sum(1).tolist(), 0)
+            ratios = [a / b for a, b in zip(times["onnxruntime_transformers"], times["ours"])]
+            ratios_onnx = [a / b for a, b in zip(times["onnxruntime_transformers"], times["onnxruntime_ours"])]
+            row = {"pairs": pairs, "real_token_fraction": real_tokens / padded_tokens, "model_flops": flops,
+                   "load_average_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
+                   "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                   "ours_onnx_ratio_median": statistics.median(ratios_onnx),
+                   "ours_onnx_ratio_min": min(ratios_onnx), "ours_onnx_ratio_max": max(ratios_onnx)}
+            for tag, ts in times.items():
+                t = statistics.median(ts)
+                row[tag] = {"latency_ms": 1e3 * t, "tokens_per_s_padded": padded_tokens / t,
+                            "tokens_per_s_real": real_tokens / t, "mfu": flops / t / peaks.best, "times_s": ts}
+            results[workload] = row
+            for tag in times:
+                r = row[tag]
+                print(f"  {workload:6s} {tag:25s} {r['latency_ms']:9.1f} ms {r['tokens_per_s_padded']:10.0f} tok/s "
+                      f"{r['tokens_per_s_real']:10.0f} real tok/s")
+            print(f"  {workload:6s} ours / onnxruntime(transformers): {row['ratio_median']:.3f}x "
+                  f"(range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}); our ONNX export in onnxruntime / "
+                  f"onnxruntime(transformers): {row['ours_onnx_ratio_median']:.3f}x; real-token fraction {row['real_token_fraction']:.3f}")
+            peaks.sample()
+    return {"checks": checks, "workloads": results, "mixed_lengths": lengths, "text": source}
+
+
+def markdown_table_ort(result) -> str:
+    lines = ["| workload | onnxruntime (transformers' BERT) tok/s (real) | ours (torch) tok/s (real) | ours / ORT (median) [range] "
+             "| target | our ONNX export in ORT tok/s (real) | our ONNX / ORT(transformers) |",
+             "|---|---|---|---|---|---|---|"]
+    for w, row in result["backends"]["onnxruntime"]["workloads"].items():
+        target = TARGETS_ORT[w][1]
+        ok = "met" if row["ratio_median"] >= target else f"missed by {target - row['ratio_median']:.2f}"
+        lines.append(
+            f"| {w} | {row['onnxruntime_transformers']['tokens_per_s_real']:.0f} | {row['ours']['tokens_per_s_real']:.0f} "
+            f"| **{row['ratio_median']:.2f}x** [{row['ratio_min']:.2f}-{row['ratio_max']:.2f}] | >= {target}x ({ok}) "
+            f"| {row['onnxruntime_ours']['tokens_per_s_real']:.0f} | {row['ours_onnx_ratio_median']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def print_row(backend, workload, row):
     for tag in ("transformers", "ours"):
         r = row[tag]
@@ -500,13 +693,16 @@ def print_row(backend, workload, row):
 
 
 def markdown_table(result) -> str:
+    if "onnxruntime" in result["backends"]:
+        return markdown_table_ort(result)
+    targets = TARGETS_BF16 if result["args"]["dtype"] == "bf16" else TARGETS
     lines = ["| backend | workload | transformers ms | ours ms | transformers tok/s (real) | ours tok/s (real) "
              "| ratio (median) | target | peak MB transformers / ours (ratio) | ours activations MB | MFU transformers / ours |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for backend, res in result["backends"].items():
         for w, row in res["workloads"].items():
             a, b = row["transformers"], row["ours"]
-            target = TARGETS[w][1]
+            target = targets[w][1]
             ok = "met" if row["ratio_median"] >= target else f"missed by {target - row['ratio_median']:.3f}"
             mem = "-"
             if "memory_ratio" in row:
@@ -535,13 +731,15 @@ def main(argv=None):
     peaks.sample()
     result = {"args": asdict(args), "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": info, "backends": {}}
-    for backend in args.backends.split(","):
+    if args.against == "onnxruntime":
+        result["backends"]["onnxruntime"] = run_onnxruntime(args, device, tokenizer, peaks)
+    for backend in args.backends.split(",") if args.against == "transformers" else ():
         result["backends"][backend] = run_backend(args, backend, device, dtype, tokenizer, peaks)
     peaks.sample()
     # MFU was computed per workload with the best peak seen so far; recompute with the run's best.
     for res in result["backends"].values():
         for row in res["workloads"].values():
-            for tag in ("transformers", "ours"):
+            for tag in [t for t in row if isinstance(row[t], dict) and "latency_ms" in row[t]]:
                 row[tag]["mfu"] = row["model_flops"] / (row[tag]["latency_ms"] / 1e3) / peaks.best
     result["matmul_peak_flops"] = {"best": peaks.best, "best_per_kernel": peaks.best_per_kernel(), "samples": peaks.samples}
     try:

@@ -76,24 +76,165 @@ def test_onednn_linear_forward_and_backward_match_nn_linear(debug_config, monkey
     config.onednn_linear = False
     layer(x)
     config.onednn_linear = True
-    layer.to(torch.bfloat16)(x.detach().bfloat16())
+    layer.to(torch.float16)(x.detach().half())
     assert calls == [1]
 
 
+@pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
+def test_onednn_linear_in_bfloat16_matches_nn_linear(debug_config, monkeypatch):
+    """bf16 forward and backward on oneDNN against nn.Linear in bf16: each within 3x nn.Linear's own
+    error against a float32 copy (the bf16 rule of the benchmark), and the oneDNN branch was taken."""
+    config = debug_config(onednn_linear=True)
+    torch.manual_seed(0)
+    layer = mb.BertImplLinear(config, 64, 48)
+    ref32 = torch.nn.Linear(64, 48)
+    ref32.load_state_dict(layer.state_dict())
+    ref16 = copy.deepcopy(ref32).bfloat16()
+    layer.bfloat16()
+    calls = []
+    apply = mb._OneDNNLinearFunction.apply
+    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    x32 = torch.randn(9, 5, 64)
+    g32 = torch.randn(9, 5, 48)
+    results = {}
+    for name, module, dtype in (("onednn", layer, torch.bfloat16), ("linear", ref16, torch.bfloat16), ("fp32", ref32, torch.float32)):
+        x = x32.to(dtype).requires_grad_()
+        y = module(x)
+        y.backward(g32.to(dtype))
+        results[name] = [t.float() for t in (y, x.grad, module.weight.grad, module.bias.grad)]
+    assert calls == [1]
+    for mine, theirs, exact in zip(results["onednn"], results["linear"], results["fp32"]):
+        assert (mine - exact).abs().max() <= 3 * (theirs - exact).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
+def test_linear_kernel_is_chosen_by_cpu_vendor_and_forceable(vendor, monkeypatch):
+    """"auto": oneDNN on AMD (MKL's fp32 GEMM is slow there), torch's BLAS on Intel (the oneDNN
+    linear loses to MKL there, most in the backward) and on any CPU not measured; True / False force."""
+    monkeypatch.setattr(mb, "_CPU_VENDOR", vendor)
+    onednn = "onednn" if mb._ONEDNN_LINEAR is not None else "blas"
+    assert mb.linear_kernel("auto") == (onednn if vendor == "AuthenticAMD" else "blas")
+    assert mb.linear_kernel(True) == onednn
+    assert mb.linear_kernel(False) == "blas"
+    monkeypatch.setattr(mb, "_ONEDNN_LINEAR", None)  # a torch build without the op: always the BLAS
+    assert {mb.linear_kernel(s) for s in ("auto", True, False)} == {"blas"}
+
+
+def test_cpu_vendor_is_read_once_at_import(monkeypatch):
+    assert mb._CPU_VENDOR == mb._cpu_vendor()
+    monkeypatch.setattr("builtins.open", lambda *a, **k: pytest.fail("the CPU vendor was read again"))
+    for setting in ("auto", True, False):
+        mb.linear_kernel(setting)
+
+
+def test_onednn_linear_setting_is_validated(debug_config):
+    assert debug_config().onednn_linear == "auto"
+    for bad in ("yes", 1, "onednn"):
+        with pytest.raises(ValueError, match=f"onednn_linear must be 'auto', True or False, got {bad!r}"):
+            debug_config(onednn_linear=bad)
+
+
 @needs_onednn
-def test_model_with_and_without_onednn_linear(debug_config, batch):
+def test_a_loaded_or_moved_model_takes_the_onednn_branch(debug_config, tmp_path, monkeypatch):
+    """from_pretrained builds on the meta device and then loads weights; .to() moves and casts: the
+    branch follows the weights as they are when called, not as they were when built."""
+    calls = []
+    apply = mb._OneDNNLinearFunction.apply
+    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    BertImplModel(debug_config(onednn_linear=True)).save_pretrained(tmp_path)
+    model = BertImplModel.from_pretrained(tmp_path).eval()
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with torch.no_grad():
+        model(ids)
+        assert len(calls) > 0
+        del calls[:]
+        model.to(torch.float16)(ids)
+        assert calls == []
+        model.to(torch.bfloat16)(ids)
+        assert bool(calls) == (torch.bfloat16 in mb._ONEDNN_DTYPES)
+
+
+@needs_onednn
+@pytest.mark.parametrize("vendor,setting", [("AuthenticAMD", "auto"), ("GenuineIntel", "auto"), ("GenuineIntel", True),
+                                            ("AuthenticAMD", False)])
+def test_every_linear_kernel_branch_gives_the_same_outputs_and_gradients(debug_config, batch, vendor, setting, monkeypatch):
+    """Each branch forced (CPU vendor x setting) against torch's BLAS path: logits, loss and every
+    gradient within 1e-5, and the branch taken is the one `linear_kernel` names."""
+    monkeypatch.setattr(mb, "_CPU_VENDOR", vendor)
     torch.manual_seed(0)
     model = BertImplForMaskedLM(debug_config()).train()
     blas = copy.deepcopy(model)
+    model.config.onednn_linear = setting
     blas.config.onednn_linear = False
+    calls = []
+    apply = mb._OneDNNLinearFunction.apply
+    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
     input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
-    outs = [m(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
-            for m in (model, blas)]
-    assert (outs[0].logits - outs[1].logits).abs().max().item() <= ATOL
-    for o in outs:
-        o.loss.backward()
+    ref = blas(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+    assert calls == []
+    out = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+    assert bool(calls) == (mb.linear_kernel(setting) == "onednn")
+    assert (out.logits - ref.logits).abs().max().item() <= ATOL
+    assert abs(out.loss.item() - ref.loss.item()) <= ATOL
+    out.loss.backward()
+    ref.loss.backward()
     for (name, p), q in zip(model.named_parameters(), blas.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= ATOL, name
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks without a host sync on accelerators
+
+
+def _record_device_asserts(monkeypatch):
+    """Value checks as if the tensors were on an accelerator: reading a value on the host fails the
+    test, and each asynchronous assert is recorded as (condition, message)."""
+    asserts = []
+    monkeypatch.setattr(mb, "_values_on_host", lambda t: False)
+    monkeypatch.setattr(mb, "_device_assert", lambda cond, msg: asserts.append((cond, msg)))
+    for name in ("item", "tolist", "__int__", "__bool__", "__index__", "unique"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
+    return asserts
+
+
+@pytest.mark.parametrize("case,field", [
+    (None, None), ("id_too_large", "input_ids"), ("id_negative", "input_ids"), ("token_type", "token_type_ids"),
+    ("mask_value", "attention_mask"), ("position_negative", "position_ids"), ("position_too_long", "learned positions"),
+])
+def test_input_checks_on_accelerators_use_async_asserts(debug_config, batch, case, field, monkeypatch):
+    model = BertImplModel(debug_config(position_embedding_type="learned", max_position_embeddings=16))
+    input_ids, attention_mask, token_type_ids = (t.clone() for t in batch)
+    position_ids = torch.arange(input_ids.size(1)).expand_as(input_ids).clone()
+    if case == "id_too_large":
+        input_ids[2, 3] = VOCAB
+    elif case == "id_negative":
+        input_ids[0, 0] = -3
+    elif case == "token_type":
+        token_type_ids[1, 1] = 2
+    elif case == "mask_value":
+        attention_mask[0, 0] = 2
+    elif case == "position_negative":
+        position_ids[0, 0] = -1
+    elif case == "position_too_long":
+        position_ids[0, -1] = 16
+    asserts = _record_device_asserts(monkeypatch)
+    model._check_model_inputs(input_ids, attention_mask, token_type_ids, position_ids, None)
+    monkeypatch.undo()  # the recorded conditions may be read now
+    assert len(asserts) == 5  # input_ids, token_type_ids, attention_mask, position_ids >= 0, < max positions
+    failed = [msg for cond, msg in asserts if not bool(cond)]
+    assert all(cond.dtype == torch.bool and cond.dim() == 0 for cond, _ in asserts)
+    assert failed == ([] if case is None else [failed[0]]) and (case is None or field in failed[0]), failed
+
+
+def test_input_checks_on_a_non_cpu_device_do_not_read_values(debug_config, monkeypatch):
+    """Meta tensors (no values at all, like a device the host cannot read without a sync): the checks
+    pass through as device asserts instead of calling int() / .unique()."""
+    model = BertImplModel(debug_config())
+    recorded = []
+    monkeypatch.setattr(mb, "_device_assert", lambda cond, msg: recorded.append(cond.device.type))
+    ids = torch.ones(2, 5, dtype=torch.long, device="meta")
+    model._check_model_inputs(ids, torch.ones(2, 5, dtype=torch.long, device="meta"), ids, None, None)
+    assert recorded == ["meta", "meta", "meta"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,6 +653,43 @@ def test_benchmark_script_checks_outputs_and_writes_json(tmp_path):
     assert result["matmul_peak_flops"]["best"] > 0 and "| sdpa | mixed |" in result["markdown_table"]
 
 
+def test_benchmark_dense_mlm_step_checks_full_logits(tmp_path):
+    """The default-config MLM step (sparse_prediction off): full (b, s, V) logits checked against
+    transformers before timing, and timed as its own row."""
+    import json
+
+    bench = _benchmark_module()
+    out = tmp_path / "bench.json"
+    bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
+                "--workloads", "mlm_dense", "--memory", "false", "--json", str(out)])
+    result = json.loads(out.read_text())
+    checks = result["backends"]["sdpa"]["checks"]
+    assert checks["mlm_dense_logits_max_abs_diff"] <= 1e-5 and checks["mlm_dense_loss_abs_diff"] <= 1e-5
+    row = result["backends"]["sdpa"]["workloads"]["mlm_dense"]
+    assert row["ratio_median"] > 0 and len(row["load_average_after"]) == 3
+    assert "| sdpa | mlm_dense |" in result["markdown_table"]
+
+
+def test_benchmark_against_onnxruntime(tmp_path):
+    """transformers' BERT and ours exported to ONNX, checked (<= 1e-4) and timed against ours."""
+    import json
+
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    bench = _benchmark_module()
+    out = tmp_path / "ort.json"
+    bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
+                "--against", "onnxruntime", "--json", str(out)])
+    result = json.loads(out.read_text())
+    res = result["backends"]["onnxruntime"]
+    assert len(res["checks"]) == 8 and all(v <= 1e-4 for v in res["checks"].values()), res["checks"]
+    assert set(res["workloads"]) == {"fixed", "mixed"}
+    for row in res["workloads"].values():
+        assert row["ratio_median"] > 0 and row["ours_onnx_ratio_median"] > 0
+        assert row["onnxruntime_transformers"]["tokens_per_s_real"] > 0
+    assert "| mixed |" in result["markdown_table"]
+
+
 def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     bench = _benchmark_module()
     lengths = bench.mixed_lengths(128, 8, torch.Generator().manual_seed(0))
@@ -524,6 +702,9 @@ def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     (["--workloads", "fixed,train"], "--workloads takes a comma-separated subset of fixed,mixed,mlm"),
     (["--seq_len", "1000"], "--seq_len must be in [8, 512]"),
     (["--dtype", "fp16"], "--dtype must be one of ['bf16', 'fp32'], got 'fp16'"),
+    (["--onednn_linear", "maybe"], "--onednn_linear must be auto, true or false, got 'maybe'"),
+    (["--against", "tensorrt"], "--against must be transformers or onnxruntime, got 'tensorrt'"),
+    (["--against", "onnxruntime", "--dtype", "bf16"], "--against onnxruntime runs on the CPU in fp32"),
 ])
 def test_benchmark_rejects_bad_arguments(argv, message, capsys):
     bench = _benchmark_module()
