@@ -82,6 +82,9 @@ TARGETS_BF16 = {"fixed": ("tokens/s", 1.3), "mixed": ("real tokens/s", 2.5), "ml
                 "mlm_dense": ("tokens/s", 1.0)}
 # against onnxruntime (fp32): ours / ORT running transformers' exported BERT.
 TARGETS_ORT = {"fixed": ("tokens/s", 1.0), "mixed": ("real tokens/s", 2.0)}
+# GPU targets (issue 14; bf16 on an H200): fixed >= 1.1x, mixed >= 2x, MLM >= 1.3x vs transformers' sdpa.
+TARGETS_CUDA = {"fixed": ("tokens/s", 1.1), "mixed": ("real tokens/s", 2.0), "mlm": ("tokens/s", 1.3),
+                "mlm_dense": ("tokens/s", 1.0)}
 
 
 @dataclass
@@ -259,7 +262,7 @@ def make_batches(args, tokenizer, device):
 def check_outputs(args, hf, ours, batches, dtype, backend) -> dict:
     """fp32: max |diff| <= 1e-5 on real tokens (encoder), on the MLM loss, on the logits of the masked
     positions and on every gradient. bf16: ours within 3x the error transformers' own bf16 model has
-    against an fp32 copy of itself (design.md)."""
+    against an fp32 copy of itself (the project's bf16 tolerance)."""
     report = {}
     hf.eval()
     ours.eval()
@@ -416,7 +419,9 @@ def cuda_peak_and_activations(fn, model, batch, device, training) -> tuple[int, 
 def matmul_peak_flops(device, dtype, n=None, reps=5) -> dict[str, float]:
     """Best-of-`reps` FLOP/s of an n x n x n matmul in `dtype`, per kernel: torch.mm (the BLAS) and,
     on CPU in float32, oneDNN. The faster is the ceiling MFU is measured against."""
-    n = n or (4096 if device.type == "cuda" else 1536)
+    # On a GPU a 4096^3 bf16 matmul takes ~0.2 ms, where launch and sync overhead would lower the peak.
+    n = n or (8192 if device.type == "cuda" else 1536)
+    reps = 10 if device.type == "cuda" else reps
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     kernels = {"torch.mm": lambda: torch.mm(a, b)}
@@ -695,7 +700,10 @@ def print_row(backend, workload, row):
 def markdown_table(result) -> str:
     if "onnxruntime" in result["backends"]:
         return markdown_table_ort(result)
-    targets = TARGETS_BF16 if result["args"]["dtype"] == "bf16" else TARGETS
+    if result.get("device_type") == "cuda":
+        targets = TARGETS_CUDA
+    else:
+        targets = TARGETS_BF16 if result["args"]["dtype"] == "bf16" else TARGETS
     lines = ["| backend | workload | transformers ms | ours ms | transformers tok/s (real) | ours tok/s (real) "
              "| ratio (median) | target | peak MB transformers / ours (ratio) | ours activations MB | MFU transformers / ours |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -730,7 +738,7 @@ def main(argv=None):
     peaks = PeakSampler(device, dtype)
     peaks.sample()
     result = {"args": asdict(args), "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": info, "backends": {}}
+              "machine": info, "device_type": device.type, "backends": {}}
     if args.against == "onnxruntime":
         result["backends"]["onnxruntime"] = run_onnxruntime(args, device, tokenizer, peaks)
     for backend in args.backends.split(",") if args.against == "transformers" else ():

@@ -69,10 +69,10 @@ def test_dry_run_benchmarks_both_lengths_in_bf16_with_checks_and_targets(dry_run
         checks = sdpa["checks"]
         for w in ("fixed", "mixed"):  # the bf16 output check ran and passed (ours within 3x transformers)
             assert 0 < checks[f"{w}_ours_bf16_err"] <= 3 * checks[f"{w}_hf_bf16_err"], checks
-        assert set(sdpa["workloads"]) == {"fixed", "mixed", "mlm"}
+        assert set(sdpa["workloads"]) == {"fixed", "mixed", "mlm", "mlm_dense"}
         assert run["matmul_peak_flops"]["best"] > 0
     rows = result["targets"]
-    assert {(r["seq_len"], r["workload"]) for r in rows} == {(int(n), w) for n in lengths for w in ("fixed", "mixed", "mlm")}
+    assert {(r["seq_len"], r["workload"]) for r in rows} == {(int(n), w) for n in lengths for w in ("fixed", "mixed", "mlm", "mlm_dense")}
     assert all(r["ratio"] > 0 and 0 < r["mfu_ours"] and r["met"] == (r["ratio"] >= r["target"]) for r in rows)
     assert "targets are the GPU proof's" in stdout
 
