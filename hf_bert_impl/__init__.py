@@ -33,7 +33,7 @@ from .modeling_bert_impl import (
     sinusoidal_position_encoding,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Auto class -> our head. The one table both registrations below read.
 HEADS = {
