@@ -25,7 +25,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .configuration_bert_impl import AUTO_MAP
+from .configuration_bert_impl import AUTO_MAP, HEAD_TABLE
 
 NOT_RECORDED = "not recorded"
 FACTS_FILE = "training_facts.json"
@@ -45,26 +45,17 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spec
 LICENSE = "apache-2.0"
 TAGS = ["bert", "bert_impl", "hf-bert-impl", "custom_code"]
 
-# Head -> (Auto class that loads it, task). The task doubles as the Hub `pipeline_tag` where the
-# Hub has one; NSP and multiple choice have no pipeline, so their cards carry no pipeline_tag.
-# PreTraining checkpoints are tagged fill-mask (as Google's BERT is) but their output has no
-# `logits`, so the fill-mask pipeline runs on the MLM head loaded from them (PIPELINE_HEAD).
-HEAD_INFO = {
-    "BertImplModel": ("AutoModel", "feature-extraction"),
-    "BertImplForMaskedLM": ("AutoModelForMaskedLM", "fill-mask"),
-    "BertImplForPreTraining": ("AutoModelForPreTraining", "fill-mask"),
-    "BertImplForNextSentencePrediction": ("AutoModelForNextSentencePrediction", "next-sentence-prediction"),
-    "BertImplForSequenceClassification": ("AutoModelForSequenceClassification", "text-classification"),
-    "BertImplForTokenClassification": ("AutoModelForTokenClassification", "token-classification"),
-    "BertImplForQuestionAnswering": ("AutoModelForQuestionAnswering", "question-answering"),
-    "BertImplForMultipleChoice": ("AutoModelForMultipleChoice", "multiple-choice"),
-}
+# Head -> (Auto class that loads it, task), read off the head table. The task doubles as the Hub
+# `pipeline_tag` where the Hub has one; NSP and multiple choice have no pipeline, so their cards
+# carry no pipeline_tag. PreTraining's output has no `logits`, so the fill-mask pipeline runs on
+# the MLM head loaded from its checkpoint (PIPELINE_HEAD).
+HEAD_INFO = {head.name: (head.auto_class, head.task) for head in HEAD_TABLE}
 PIPELINE_HEAD = {"BertImplForPreTraining": "AutoModelForMaskedLM"}
 PIPELINE_TAGS = ("feature-extraction", "fill-mask", "text-classification", "token-classification",
                  "question-answering")
 LOCAL_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".safetensors", ".bin")
-# Trainer bookkeeping that is not a quality measurement: shown in the card's table, kept out of
-# the model-index (the Hub's leaderboards read the model-index).
+# Trainer bookkeeping that is not a quality measurement (metric-name suffixes): kept out of the
+# model-index (the Hub's leaderboards read the model-index) and out of fine-tuning's split metrics.
 BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch", "total_flos", "step")
 
 

@@ -76,6 +76,7 @@ from transformers import (
 import hf_bert_impl
 from hf_bert_impl import BertImplForSequenceClassification, BertImplForTokenClassification
 from hf_bert_impl import data as D
+from hf_bert_impl.hub import BOOKKEEPING_SUFFIXES
 from hf_bert_impl.metrics import METRIC_PATH
 
 logger = logging.getLogger("finetune")
@@ -90,8 +91,6 @@ SENTENCE_KEYS = [
     ("sentence", None),
     ("text", None),
 ]
-# Trainer's timing numbers: kept out of the model card's metrics.
-BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch")
 TAG_COLUMNS = ("ner_tags", "tags", "pos_tags", "labels", "label")
 EMBEDDED_TASKS = {
     "statement_topic": "embedded statement-topic task (hf_bert_impl.data.statement_topic_task): sentences of the Python "
