@@ -98,12 +98,12 @@ def test_card_results_match_recorded_metrics(saved_mlm):
 
 
 def test_card_from_a_fine_tuning_run_on_local_data(saved_mlm):
-    """Facts as `hf_bert_impl.data.write_training_facts` writes them after a fine-tuning run on a
+    """Facts as `hf_bert_impl.cli.write_training_facts` writes them after a fine-tuning run on a
     local file, initialised from a local checkpoint: nothing local is passed off as a Hub id, and
     training loss stays out of the evaluation results."""
     from huggingface_hub import ModelCard
 
-    from hf_bert_impl.data import write_training_facts
+    from hf_bert_impl.cli import write_training_facts
 
     write_training_facts(
         saved_mlm, task="token-classification", dataset="ner.jsonl", base_model=str(saved_mlm.parent / "mlm-pretrained"),
