@@ -107,6 +107,15 @@ def load_training_facts(model_dir: str | os.PathLike) -> dict:
     return facts
 
 
+def copy_tokenizer_files(source_dir: str | os.PathLike, out: str | os.PathLike) -> list[str]:
+    """Copy the TOKENIZER_FILES that `source_dir` has into `out`; returns their names."""
+    source_dir, out = Path(source_dir), Path(out)
+    copied = [name for name in TOKENIZER_FILES if (source_dir / name).is_file()]
+    for name in copied:
+        shutil.copy2(source_dir / name, out / name)
+    return copied
+
+
 def _is_hub_id(value: str) -> bool:
     """True for a Hub repository id ("name" or "owner/name"), False for a local path."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -391,9 +400,7 @@ def build_upload_folder(model_dir: str | os.PathLike, repo_id: str, out: str | o
     model_cls = getattr(hf_bert_impl, config["architectures"][0])
     model = model_cls.from_pretrained(model_dir)
     model.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, out / name)
+    copy_tokenizer_files(model_dir, out)
     loss_curve = load_training_facts(model_dir).get("loss_curve")
     if loss_curve:
         shutil.copy2(model_dir / loss_curve, out / loss_curve)
@@ -476,6 +483,7 @@ __all__ = [
     "build_upload_folder",
     "check_model_dir",
     "check_repo_id",
+    "copy_tokenizer_files",
     "load_training_facts",
     "push_model_dir",
     "save_model_card",
