@@ -1,5 +1,5 @@
 """The training scripts' command-line plumbing: argument preamble, one-line errors, and the end of a
-run (training_facts.json, loss-curve PNG, model card) that `scripts/pretrain_mlm.py` and
+run (save, training_facts.json, loss-curve PNG, model card) that `scripts/pretrain_mlm.py` and
 `scripts/finetune.py` share. The data they train on is in `hf_bert_impl.data`.
 """
 
@@ -120,6 +120,16 @@ def default_logging_steps(training_args, num_update_steps: int | None = None) ->
         steps = training_args.max_steps if training_args.max_steps > 0 else num_update_steps
         if steps:
             training_args.logging_steps = max(1, steps // 50)
+
+
+def save_trained(trainer, train_result) -> dict:
+    """Right after `trainer.train()`: the model and tokenizer (`trainer.save_model`) and the trainer
+    state into `--output_dir`; logs the training metrics and returns them."""
+    trainer.save_model()
+    trainer.save_state()
+    metrics = dict(train_result.metrics)
+    trainer.log_metrics("train", metrics)
+    return metrics
 
 
 def run_hyperparameters(trainer) -> dict:

@@ -461,9 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
         training_args.logging_steps = max(1, int(len(trainer.get_train_dataloader()) * training_args.num_train_epochs
                                                  / training_args.gradient_accumulation_steps) // 50)
     train_result = trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model()
-    trainer.save_state()
-    trainer.log_metrics("train", train_result.metrics)
+    cli.save_trained(trainer, train_result)
     final, other_metrics = {}, {}
     if evaluation is not None:
         final.update(trainer.evaluate())

@@ -392,10 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
     model.config.sparse_prediction = model_args.sparse_prediction
     train_result = trainer.train(resume_from_checkpoint=resume)
     model.config.sparse_prediction = False
-    trainer.save_model()
-    trainer.save_state()
-    metrics = dict(train_result.metrics)
-    trainer.log_metrics("train", metrics)
+    metrics = cli.save_trained(trainer, train_result)
     eval_metrics = {}
     if evaluation is not None:
         eval_metrics = trainer.evaluate()
