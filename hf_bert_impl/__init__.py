@@ -6,46 +6,23 @@ class, so `AutoModelForMaskedLM.from_pretrained(dir)` works on our checkpoints w
 copy the code files and write `auto_map` for people who do not have this package.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForMaskedLM,
-    AutoModelForMultipleChoice,
-    AutoModelForNextSentencePrediction,
-    AutoModelForPreTraining,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+import transformers
+from transformers import AutoConfig
 
-from .configuration_bert_impl import AUTO_MAP, SIZE_PRESETS, BertImplConfig
+from . import modeling_bert_impl
+from .configuration_bert_impl import AUTO_MAP, HEAD_TABLE, SIZE_PRESETS, BertImplConfig
 from .modeling_bert_impl import (
-    BertImplForMaskedLM,
-    BertImplForMultipleChoice,
-    BertImplForNextSentencePrediction,
-    BertImplForPreTraining,
     BertImplForPreTrainingOutput,
-    BertImplForQuestionAnswering,
-    BertImplForSequenceClassification,
-    BertImplForTokenClassification,
-    BertImplModel,
     BertImplPreTrainedModel,
     sinusoidal_position_encoding,
 )
 
 __version__ = "0.2.0"
 
-# Auto class -> our head. The one table both registrations below read.
-HEADS = {
-    AutoModel: BertImplModel,
-    AutoModelForMaskedLM: BertImplForMaskedLM,
-    AutoModelForPreTraining: BertImplForPreTraining,
-    AutoModelForNextSentencePrediction: BertImplForNextSentencePrediction,
-    AutoModelForSequenceClassification: BertImplForSequenceClassification,
-    AutoModelForTokenClassification: BertImplForTokenClassification,
-    AutoModelForQuestionAnswering: BertImplForQuestionAnswering,
-    AutoModelForMultipleChoice: BertImplForMultipleChoice,
-}
+# Auto class -> our head, read off the head table; both registrations below use it, and every head
+# is exported from the package under its own name (hf_bert_impl.BertImplForMaskedLM, ...).
+HEADS = {getattr(transformers, head.auto_class): getattr(modeling_bert_impl, head.name) for head in HEAD_TABLE}
+globals().update({cls.__name__: cls for cls in HEADS.values()})
 
 
 def _register():
@@ -61,17 +38,11 @@ _register()
 __all__ = [
     "AUTO_MAP",
     "HEADS",
+    "HEAD_TABLE",
     "SIZE_PRESETS",
     "BertImplConfig",
     "BertImplPreTrainedModel",
-    "BertImplModel",
-    "BertImplForMaskedLM",
-    "BertImplForPreTraining",
-    "BertImplForNextSentencePrediction",
-    "BertImplForSequenceClassification",
-    "BertImplForTokenClassification",
-    "BertImplForQuestionAnswering",
-    "BertImplForMultipleChoice",
+    *(head.name for head in HEAD_TABLE),
     "BertImplForPreTrainingOutput",
     "sinusoidal_position_encoding",
 ]

@@ -13,6 +13,7 @@ version needed (`require_transformers`), raised here because transformers import
 """
 
 import re
+from typing import NamedTuple
 
 import transformers
 from transformers import PretrainedConfig
@@ -39,18 +40,43 @@ POSITION_EMBEDDING_TYPES = ("sinusoidal", "learned")
 # Activations the feed-forward block accepts (names from transformers.activations.ACT2FN).
 HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_python", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh", "quick_gelu")
 
+
+class Head(NamedTuple):
+    """One head, by name: our class, the Auto class that loads it, transformers' matching Bert class,
+    and its task (the Hub `pipeline_tag` where the Hub has one)."""
+
+    name: str
+    auto_class: str
+    hf_class: str
+    task: str
+
+
+# The one table of heads. The auto map below, the package's exports and Auto registration
+# (`hf_bert_impl.HEADS`), the model card's task info (`hub.HEAD_INFO`) and the converter's
+# architectures (`convert.ARCHITECTURES`) are all read off it. Names only: this file travels to
+# the Hub and imports nothing but transformers.
+HEAD_TABLE = (
+    Head("BertImplModel", "AutoModel", "BertModel", "feature-extraction"),
+    Head("BertImplForMaskedLM", "AutoModelForMaskedLM", "BertForMaskedLM", "fill-mask"),
+    # tagged fill-mask as Google's BERT is; its output has no `logits`, so the card's fill-mask
+    # pipeline loads the MLM head from it (hub.PIPELINE_HEAD)
+    Head("BertImplForPreTraining", "AutoModelForPreTraining", "BertForPreTraining", "fill-mask"),
+    Head("BertImplForNextSentencePrediction", "AutoModelForNextSentencePrediction", "BertForNextSentencePrediction",
+         "next-sentence-prediction"),
+    Head("BertImplForSequenceClassification", "AutoModelForSequenceClassification", "BertForSequenceClassification",
+         "text-classification"),
+    Head("BertImplForTokenClassification", "AutoModelForTokenClassification", "BertForTokenClassification",
+         "token-classification"),
+    Head("BertImplForQuestionAnswering", "AutoModelForQuestionAnswering", "BertForQuestionAnswering",
+         "question-answering"),
+    Head("BertImplForMultipleChoice", "AutoModelForMultipleChoice", "BertForMultipleChoice", "multiple-choice"),
+)
+
 # Where each Auto class finds our code inside a saved / pushed directory. Written into every
 # config.json so that one repository serves every head through `trust_remote_code=True`.
 AUTO_MAP = {
     "AutoConfig": "configuration_bert_impl.BertImplConfig",
-    "AutoModel": "modeling_bert_impl.BertImplModel",
-    "AutoModelForMaskedLM": "modeling_bert_impl.BertImplForMaskedLM",
-    "AutoModelForPreTraining": "modeling_bert_impl.BertImplForPreTraining",
-    "AutoModelForNextSentencePrediction": "modeling_bert_impl.BertImplForNextSentencePrediction",
-    "AutoModelForSequenceClassification": "modeling_bert_impl.BertImplForSequenceClassification",
-    "AutoModelForTokenClassification": "modeling_bert_impl.BertImplForTokenClassification",
-    "AutoModelForQuestionAnswering": "modeling_bert_impl.BertImplForQuestionAnswering",
-    "AutoModelForMultipleChoice": "modeling_bert_impl.BertImplForMultipleChoice",
+    **{head.auto_class: f"modeling_bert_impl.{head.name}" for head in HEAD_TABLE},
 }
 
 # Named sizes. "debug" is the odd-sized flavour every smoke test uses (torchtitan's habit);
@@ -268,4 +294,4 @@ class BertImplConfig(PretrainedConfig):
             )
 
 
-__all__ = ["BertImplConfig", "SIZE_PRESETS", "AUTO_MAP", "REQUIRED_FIELDS"]
+__all__ = ["BertImplConfig", "SIZE_PRESETS", "AUTO_MAP", "HEAD_TABLE", "REQUIRED_FIELDS"]

@@ -27,18 +27,10 @@ from torch import nn
 import transformers
 from transformers import BertConfig
 
-from .configuration_bert_impl import BertImplConfig
-from .modeling_bert_impl import (
-    BertImplForMaskedLM,
-    BertImplForMultipleChoice,
-    BertImplForNextSentencePrediction,
-    BertImplForPreTraining,
-    BertImplForQuestionAnswering,
-    BertImplForSequenceClassification,
-    BertImplForTokenClassification,
-    BertImplModel,
-    BertImplPreTrainedModel,
-)
+from . import modeling_bert_impl
+from .configuration_bert_impl import HEAD_TABLE, BertImplConfig
+from .hub import TOKENIZER_FILES
+from .modeling_bert_impl import BertImplModel, BertImplPreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -99,16 +91,9 @@ HF_TIED = {
     "cls.predictions.decoder.bias": "cls.predictions.bias",
 }
 
-# transformers architecture -> (its class name, our class). The one table both directions use.
+# transformers architecture -> our class, read off the head table. Both directions use it.
 ARCHITECTURES: dict[str, type[BertImplPreTrainedModel]] = {
-    "BertModel": BertImplModel,
-    "BertForMaskedLM": BertImplForMaskedLM,
-    "BertForPreTraining": BertImplForPreTraining,
-    "BertForNextSentencePrediction": BertImplForNextSentencePrediction,
-    "BertForSequenceClassification": BertImplForSequenceClassification,
-    "BertForTokenClassification": BertImplForTokenClassification,
-    "BertForQuestionAnswering": BertImplForQuestionAnswering,
-    "BertForMultipleChoice": BertImplForMultipleChoice,
+    head.hf_class: getattr(modeling_bert_impl, head.name) for head in HEAD_TABLE
 }
 OUR_TO_HF_ARCH = {ours: hf for hf, ours in ARCHITECTURES.items()}
 
@@ -122,9 +107,6 @@ SHARED_CONFIG_FIELDS = (
 LABEL_FIELDS = ("id2label", "label2id", "problem_type")
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "added_tokens.json",
-)
 
 
 # A sentence-transformers model directory: these files beside the weights, plus one folder per

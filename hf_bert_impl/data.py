@@ -1,4 +1,5 @@
-"""Corpus, tokenizer and collator helpers shared by `scripts/pretrain_mlm.py` and `scripts/finetune.py`.
+"""Data for `scripts/pretrain_mlm.py` and `scripts/finetune.py`: corpus, tokenizer training, masking
+collators and datasets.
 
 The embedded corpus is the Python Language Reference text that ships with every CPython as
 `pydoc_data.topics` (about 460 KB of English prose, 79 topics such as "with", "class", "import"):
@@ -11,22 +12,26 @@ hold disjoint sentences):
 - "statement_topic" (the demo's): 1 when the sentence comes from a section whose title names a
   statement ('The "with" statement', 'Assignment statements', ...), 0 for every other section.
 - "word_order": 1 = the sentence as written, 0 = the same words in a random order (seeded).
+
+`UsageError`, the error these helpers raise for a bad file, column or option, lives in
+`hf_bert_impl.cli` with the rest of the scripts' command-line plumbing.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import sys
 from pathlib import Path
 
-import json
-import os
-
 import datasets
 import numpy as np
 import torch
 from transformers import BertTokenizerFast, DataCollatorForLanguageModeling, TrainerCallback
+
+from .cli import UsageError, run_cli  # noqa: F401  (run_cli: tests/test_real_data.py calls it as data.run_cli)
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 IGNORE_INDEX = -100
@@ -34,60 +39,6 @@ DEFAULT_CORPUS_NAME = (
     f"embedded default corpus: the Python {sys.version_info.major}.{sys.version_info.minor} "
     "Language Reference text shipped as pydoc_data.topics"
 )
-
-class UsageError(ValueError):
-    """A problem with the user's input (a file, a column, an option): the scripts print its message as
-    one line and exit with status 2 instead of a traceback."""
-
-
-def parse_script_arguments(dataclass_types, argv, logger):
-    """The training scripts' arguments through HfArgumentParser: a single .json path on the command line
-    (transformers' example convention) or the flags; then logging (info on the main process only)."""
-    import logging
-
-    import transformers
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(dataclass_types)
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        parsed = parser.parse_json_file(os.path.abspath(sys.argv[1]))
-    else:
-        parsed = parser.parse_args_into_dataclasses(args=argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    logger.setLevel(logging.INFO if parsed[-1].should_log else logging.WARNING)
-    transformers.utils.logging.set_verbosity_warning()
-    return parsed
-
-
-def run_cli(main) -> int:
-    """Run a script's `main()`; a UsageError (bad file, bad option) becomes one line on stderr and exit
-    status 2, as argparse does, instead of a traceback."""
-    try:
-        main()
-    except UsageError as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def resolve_resume_argument(training_args) -> str | None:
-    """`--resume_from_checkpoint`: "true" means the latest checkpoint-* in --output_dir (as Trainer users
-    expect from `trainer.train(resume_from_checkpoint=True)`), "false" / unset means none, anything
-    else must be a checkpoint directory. Bad values are UsageErrors naming them."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    resume = training_args.resume_from_checkpoint
-    if resume is None or str(resume).lower() in ("false", ""):
-        return None
-    if str(resume).lower() == "true":
-        last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-        if last is None:
-            raise UsageError(f"--resume_from_checkpoint true: no checkpoint-* directory in {training_args.output_dir}")
-        return last
-    if not Path(resume).is_dir():
-        raise UsageError(f"--resume_from_checkpoint {resume}: no such directory")
-    return resume
-
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(])")
 _HEADING_RULE = re.compile(r"^[*=\-~^\"]{3,}$")
@@ -527,66 +478,6 @@ def check_columns(dataset, required, source: str):
     missing = [c for c in required if c not in dataset.column_names]
     if missing:
         raise UsageError(f"{source}: missing column(s) {missing}; found {dataset.column_names}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Run outputs: the loss-curve PNG and training_facts.json that `hub.save_model_card` renders
-
-
-def plot_loss_curve(log_history: list[dict], path, title: str = "loss") -> Path:
-    """Training loss per logged step (and evaluation loss where logged) from
-    `trainer.state.log_history`, drawn with matplotlib's Agg backend into `path` (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
-    evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h and "step" in h]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    if train:
-        ax.plot(*zip(*train), label="training loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="evaluation loss")
-    if not (train or evals):
-        ax.text(0.5, 0.5, "no loss was logged (raise the step count or lower --logging_steps)",
-                ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if train or evals:
-        ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def write_training_facts(output_dir, *, task, dataset, base_model, hyperparameters, metrics,
-                         loss_curve="loss_curve.png", **extra) -> Path:
-    """`output_dir/training_facts.json`, the facts `hf_bert_impl.hub.save_model_card` puts in the card.
-    Metrics that are not finite numbers (e.g. a perplexity that overflowed) are left out."""
-    import json
-    import math
-
-    clean = {k: float(v) for k, v in metrics.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    facts = {"task": task, "dataset": dataset, "base_model": base_model, "hyperparameters": hyperparameters,
-             "metrics": clean, "loss_curve": loss_curve, **extra}
-    path = Path(output_dir) / "training_facts.json"
-    path.write_text(json.dumps(facts, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    return path
-
-
-def default_logging_steps(training_args, num_update_steps: int | None = None) -> None:
-    """Trainer logs every 500 steps by default, which leaves short runs without a loss curve: when
-    the user kept that default, log about 50 points over the run instead."""
-    if training_args.logging_steps == 500 and training_args.logging_strategy == "steps":
-        steps = training_args.max_steps if training_args.max_steps > 0 else num_update_steps
-        if steps:
-            training_args.logging_steps = max(1, steps // 50)
 
 
 def align_word_labels(word_ids, word_labels, label_all_tokens: bool = False) -> list[int]:

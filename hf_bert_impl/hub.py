@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .configuration_bert_impl import AUTO_MAP
+from .configuration_bert_impl import AUTO_MAP, HEAD_TABLE
 
 NOT_RECORDED = "not recorded"
 FACTS_FILE = "training_facts.json"
@@ -45,26 +46,17 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spec
 LICENSE = "apache-2.0"
 TAGS = ["bert", "bert_impl", "hf-bert-impl", "custom_code"]
 
-# Head -> (Auto class that loads it, task). The task doubles as the Hub `pipeline_tag` where the
-# Hub has one; NSP and multiple choice have no pipeline, so their cards carry no pipeline_tag.
-# PreTraining checkpoints are tagged fill-mask (as Google's BERT is) but their output has no
-# `logits`, so the fill-mask pipeline runs on the MLM head loaded from them (PIPELINE_HEAD).
-HEAD_INFO = {
-    "BertImplModel": ("AutoModel", "feature-extraction"),
-    "BertImplForMaskedLM": ("AutoModelForMaskedLM", "fill-mask"),
-    "BertImplForPreTraining": ("AutoModelForPreTraining", "fill-mask"),
-    "BertImplForNextSentencePrediction": ("AutoModelForNextSentencePrediction", "next-sentence-prediction"),
-    "BertImplForSequenceClassification": ("AutoModelForSequenceClassification", "text-classification"),
-    "BertImplForTokenClassification": ("AutoModelForTokenClassification", "token-classification"),
-    "BertImplForQuestionAnswering": ("AutoModelForQuestionAnswering", "question-answering"),
-    "BertImplForMultipleChoice": ("AutoModelForMultipleChoice", "multiple-choice"),
-}
+# Head -> (Auto class that loads it, task), read off the head table. The task doubles as the Hub
+# `pipeline_tag` where the Hub has one; NSP and multiple choice have no pipeline, so their cards
+# carry no pipeline_tag. PreTraining's output has no `logits`, so the fill-mask pipeline runs on
+# the MLM head loaded from its checkpoint (PIPELINE_HEAD).
+HEAD_INFO = {head.name: (head.auto_class, head.task) for head in HEAD_TABLE}
 PIPELINE_HEAD = {"BertImplForPreTraining": "AutoModelForMaskedLM"}
 PIPELINE_TAGS = ("feature-extraction", "fill-mask", "text-classification", "token-classification",
                  "question-answering")
 LOCAL_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".safetensors", ".bin")
-# Trainer bookkeeping that is not a quality measurement: shown in the card's table, kept out of
-# the model-index (the Hub's leaderboards read the model-index).
+# Trainer bookkeeping that is not a quality measurement (metric-name suffixes): kept out of the
+# model-index (the Hub's leaderboards read the model-index) and out of fine-tuning's split metrics.
 BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch", "total_flos", "step")
 
 
@@ -113,6 +105,15 @@ def load_training_facts(model_dir: str | os.PathLike) -> dict:
         if facts.get(key) is not None and not isinstance(facts[key], str):
             raise ValueError(f"{path}: {key!r} must be a string or null, got {facts[key]!r}")
     return facts
+
+
+def copy_tokenizer_files(source_dir: str | os.PathLike, out: str | os.PathLike) -> list[str]:
+    """Copy the TOKENIZER_FILES that `source_dir` has into `out`; returns their names."""
+    source_dir, out = Path(source_dir), Path(out)
+    copied = [name for name in TOKENIZER_FILES if (source_dir / name).is_file()]
+    for name in copied:
+        shutil.copy2(source_dir / name, out / name)
+    return copied
 
 
 def _is_hub_id(value: str) -> bool:
@@ -196,7 +197,7 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
                        metric_name=name, metric_value=value,
                        dataset_config=facts.get("dataset_config"), dataset_split=facts.get("dataset_split"))
             for name, value in metrics.items()
-            if not name.endswith(BOOKKEEPING_SUFFIXES) and not name.startswith("train_")
+            if _is_quality_metric(name)
         ] or None
 
     card_data = ModelCardData(
@@ -264,32 +265,68 @@ def _metric_id(name: str) -> str:
     return name[len("eval_"):] if name.startswith("eval_") else name
 
 
-def validate_model_card(card: ModelCard) -> None:
-    """Offline validation: the text re-parses with `huggingface_hub` (which rejects a malformed
-    model-index) and carries the metadata this project promises. `ModelCard.validate()` (the Hub's
-    own YAML check, a network call) runs as well in `push_model_dir` before an upload."""
+# The card's size row, as model_cards/model_card.md renders it.
+_SIZE_ROW = re.compile(r"^\| Size \| (\d+) layers, hidden (\d+), (\d+) heads, feed-forward (\d+), vocabulary (\d+) \|$", re.M)
+_SNIPPET_LOADER = re.compile(r"^model = (\w+)\.from_pretrained\(", re.M)
+_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def _is_quality_metric(name: str) -> bool:
+    """A metric that belongs in the model-index: not Trainer's bookkeeping, not a training-set number."""
+    return not name.endswith(BOOKKEEPING_SUFFIXES) and not name.startswith("train_")
+
+
+def validate_model_card(card: ModelCard, model_dir: str | os.PathLike) -> None:
+    """Check a rendered card against the model it describes, offline; ValueError listing each problem.
+
+    The text must re-parse with `huggingface_hub` (which rejects a malformed model-index), and what
+    it states must agree with `model_dir`'s `config.json` and `training_facts.json`: the task it
+    advertises (pipeline_tag, model-index task) is the one the saved head performs, the usage snippet
+    loads that head, the size row is the config's, and the model-index holds exactly the run's
+    quality metrics, bit for bit. `ModelCard.validate()` (the Hub's own YAML check, a network call)
+    runs as well in `push_model_dir` before an upload."""
+    model_dir = Path(model_dir)
+    config, facts = load_config_dict(model_dir), load_training_facts(model_dir)
     parsed = ModelCard(str(card), ignore_metadata_errors=False)
-    data = parsed.data
-    problems = []
-    if data.get("library_name") != "transformers":
-        problems.append(f"library_name is {data.get('library_name')!r}, expected 'transformers'")
-    if "custom_code" not in (data.get("tags") or []):
-        problems.append(f"tags {data.get('tags')!r} lack 'custom_code'")
-    if not data.get("license"):
-        problems.append("license is missing")
-    if data.get("pipeline_tag") is not None and data.get("pipeline_tag") not in PIPELINE_TAGS:
-        problems.append(f"pipeline_tag {data.get('pipeline_tag')!r} is not one of {PIPELINE_TAGS}")
-    for result in data.eval_results or []:
-        if isinstance(result.metric_value, bool) or not isinstance(result.metric_value, (int, float)):
-            problems.append(f"model-index metric {result.metric_type!r} has a non-numeric value {result.metric_value!r}")
+    data, problems = parsed.data, []
+
+    architecture = (config.get("architectures") or ["BertImplModel"])[0]
+    if architecture not in HEAD_INFO:
+        raise ValueError(f"{model_dir / 'config.json'}: unknown architecture {architecture!r}; expected one of {sorted(HEAD_INFO)}")
+    auto_class, head_task = HEAD_INFO[architecture]
+    expected_tag = head_task if head_task in PIPELINE_TAGS else None
+    if data.get("pipeline_tag") != expected_tag:
+        problems.append(f"pipeline_tag is {data.get('pipeline_tag')!r}, but config.json's head {architecture} "
+                        f"does {head_task!r} (pipeline_tag {expected_tag!r})")
+    if f"| Head | `{architecture}` (load with `{auto_class}`) |" not in parsed.text:
+        problems.append(f"the head row does not name config.json's head {architecture} and its Auto class {auto_class}")
+    loaders = set(_SNIPPET_LOADER.findall(parsed.text))
+    if loaders != {auto_class}:
+        problems.append(f"the usage snippets load the model with {sorted(loaders)}, not with {auto_class}, the Auto class of {architecture}")
+
+    size = _SIZE_ROW.search(parsed.text)
+    stated = dict(zip(_SIZE_FIELDS, map(int, size.groups()))) if size else None
+    wanted = {k: config.get(k) for k in _SIZE_FIELDS}
+    if stated != wanted:
+        problems.append(f"the size row states {stated}, but config.json has {wanted}")
+
+    results = data.eval_results or []
+    indexed = {r.metric_name: r.metric_value for r in results}
+    recorded = {k: v for k, v in (facts.get("metrics") or {}).items() if _is_quality_metric(k)} if facts.get("dataset") else {}
+    if indexed != recorded or len(results) != len(indexed):
+        problems.append(f"model-index metrics {indexed} are not the run's quality metrics {recorded} (training_facts.json)")
+    for result in results:
+        if result.task_type != head_task or result.dataset_name != facts.get("dataset"):
+            problems.append(f"model-index result {result.metric_name!r} is for task {result.task_type!r} on "
+                            f"{result.dataset_name!r}, but the run trained {architecture} ({head_task!r}) on {facts.get('dataset')!r}")
     if problems:
-        raise ValueError("invalid model card metadata: " + "; ".join(problems))
+        raise ValueError(f"model card of {model_dir} disagrees with the model: " + "; ".join(problems))
 
 
 def save_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -> Path:
     """Render the model card of `model_dir` into `model_dir/README.md` and return that path."""
     card = build_model_card(model_dir, repo_id=repo_id)
-    validate_model_card(card)
+    validate_model_card(card, model_dir)
     path = Path(model_dir) / CARD_FILE
     card.save(path)
     return path
@@ -363,14 +400,12 @@ def build_upload_folder(model_dir: str | os.PathLike, repo_id: str, out: str | o
     model_cls = getattr(hf_bert_impl, config["architectures"][0])
     model = model_cls.from_pretrained(model_dir)
     model.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, out / name)
+    copy_tokenizer_files(model_dir, out)
     loss_curve = load_training_facts(model_dir).get("loss_curve")
     if loss_curve:
         shutil.copy2(model_dir / loss_curve, out / loss_curve)
     card = build_model_card(model_dir, repo_id=repo_id)
-    validate_model_card(card)
+    validate_model_card(card, model_dir)
     card.save(out / CARD_FILE)
 
     saved = load_config_dict(out)
@@ -448,6 +483,7 @@ __all__ = [
     "build_upload_folder",
     "check_model_dir",
     "check_repo_id",
+    "copy_tokenizer_files",
     "load_training_facts",
     "push_model_dir",
     "save_model_card",

@@ -24,7 +24,6 @@ corrupt or truncated weights file, a non-empty --out) print one line and exit wi
 """
 
 import json
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,17 +41,6 @@ class ConvertArguments:
         metadata={"help": "with --from-hf: our head to build (e.g. BertImplForSequenceClassification); "
                           "default: the one matching the checkpoint's architectures"},
     )
-
-
-def copy_tokenizer_files(source_dir: Path, out: Path) -> list[str]:
-    from hf_bert_impl.convert import TOKENIZER_FILES
-
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (source_dir / name).is_file():
-            shutil.copy2(source_dir / name, out / name)
-            copied.append(name)
-    return copied
 
 
 def load_bert_impl_dir(source: str):
@@ -114,13 +102,15 @@ def main(argv=None) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    copied = copy_tokenizer_files(source_dir, out)
     from hf_bert_impl.convert import copy_sentence_transformers_files
+    from hf_bert_impl.hub import FACTS_FILE, copy_tokenizer_files
+
+    copied = copy_tokenizer_files(source_dir, out)
 
     st_files = copy_sentence_transformers_files(source_dir, out)  # a sentence-transformers model stays one
     if args.from_hf is not None:
         # the model card (hf_bert_impl.hub) names this as base_model; a Hub id also goes in its metadata
-        (out / "training_facts.json").write_text(json.dumps({"base_model": args.from_hf}, indent=2) + "\n")
+        (out / FACTS_FILE).write_text(json.dumps({"base_model": args.from_hf}, indent=2) + "\n")
     print(f"wrote {type(model).__name__} to {out}: {sorted(p.name for p in out.iterdir())}")
     if st_files:
         hint = ", trust_remote_code=True" if args.from_hf is not None else ""

@@ -75,7 +75,9 @@ from transformers import (
 
 import hf_bert_impl
 from hf_bert_impl import BertImplForSequenceClassification, BertImplForTokenClassification
+from hf_bert_impl import cli
 from hf_bert_impl import data as D
+from hf_bert_impl.hub import BOOKKEEPING_SUFFIXES
 from hf_bert_impl.metrics import METRIC_PATH
 
 logger = logging.getLogger("finetune")
@@ -90,8 +92,6 @@ SENTENCE_KEYS = [
     ("sentence", None),
     ("text", None),
 ]
-# Trainer's timing numbers: kept out of the model card's metrics.
-BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch")
 TAG_COLUMNS = ("ner_tags", "tags", "pos_tags", "labels", "label")
 EMBEDDED_TASKS = {
     "statement_topic": "embedded statement-topic task (hf_bert_impl.data.statement_topic_task): sentences of the Python "
@@ -151,7 +151,7 @@ class DataArguments:
 def load_data(data_args: DataArguments, seed: int):
     """-> (DatasetDict, description, where each split came from for error messages)."""
     if data_args.dataset_name and (data_args.train_file or data_args.validation_file or data_args.test_file):
-        raise D.UsageError(f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file / --test_file "
+        raise cli.UsageError(f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file / --test_file "
                            "are exclusive: give one data source")
     if data_args.dataset_name:
         raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
@@ -161,9 +161,9 @@ def load_data(data_args: DataArguments, seed: int):
         files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
         return raw, Path(data_args.train_file).name, {k: f"--{k}_file {files[k]}" for k in raw}
     if data_args.validation_file or data_args.test_file:
-        raise D.UsageError("--validation_file / --test_file need --train_file")
+        raise cli.UsageError("--validation_file / --test_file need --train_file")
     if data_args.embedded_task not in D.EMBEDDED_TASKS:
-        raise D.UsageError(f"--embedded_task must be one of {sorted(D.EMBEDDED_TASKS)}, got {data_args.embedded_task!r}")
+        raise cli.UsageError(f"--embedded_task must be one of {sorted(D.EMBEDDED_TASKS)}, got {data_args.embedded_task!r}")
     raw = D.EMBEDDED_TASKS[data_args.embedded_task]()  # fixed seed: the task stays the same whatever --seed trains it
     description = EMBEDDED_TASKS[data_args.embedded_task]
     return raw, description, {k: f"embedded task {data_args.embedded_task} ({k} split)" for k in raw}
@@ -192,7 +192,7 @@ def placeholder_labels(ds, column: str, token: bool, is_regression: bool, source
     if flat and all(holes):
         return True
     if any(holes) and not is_regression:
-        raise D.UsageError(
+        raise cli.UsageError(
             f"{source}: {sum(holes)} of {len(flat)} labels in column {column!r} are placeholders (-1 or None); "
             "label every row, or none (a split without labels gets predictions only)"
         )
@@ -214,7 +214,7 @@ def resolve_task(model_args, data_args, train) -> str:
         )
         return "token" if is_token else "sequence"
     if model_args.task_type not in ("sequence", "token"):
-        raise D.UsageError(f"--task_type must be sequence, token or auto, got {model_args.task_type!r}")
+        raise cli.UsageError(f"--task_type must be sequence, token or auto, got {model_args.task_type!r}")
     return model_args.task_type
 
 
@@ -225,7 +225,7 @@ def sentence_keys(data_args, train, source) -> tuple[str, str | None]:
     for first, second in SENTENCE_KEYS:
         if first in train.column_names and (second is None or second in train.column_names):
             return first, second
-    raise D.UsageError(
+    raise cli.UsageError(
         f"{source}: no text column; expected one of {sorted({k for pair in SENTENCE_KEYS for k in pair if k})} "
         f"or --sentence1_key, found {train.column_names}"
     )
@@ -239,15 +239,15 @@ def label_scheme(train, column: str, source: str):
         return False, list(feature.names)
     values = [v for v in train[column] if v is not None]
     if not values:
-        raise D.UsageError(f"{source}: column {column!r} holds no labels")
+        raise cli.UsageError(f"{source}: column {column!r} holds no labels")
     if all(isinstance(v, float) for v in values):
         return True, None
     if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in values):
         bad = next(v for v in values if not isinstance(v, (int, str)) or isinstance(v, bool))
-        raise D.UsageError(f"{source}: column {column!r} must hold class names, class ids or floats, got {bad!r}")
+        raise cli.UsageError(f"{source}: column {column!r} must hold class names, class ids or floats, got {bad!r}")
     names = sorted({str(v) for v in values}, key=lambda s: (len(s), s) if s.lstrip("-").isdigit() else (0, s))
     if len(names) < 2:
-        raise D.UsageError(f"{source}: column {column!r} has a single class {names}; classification needs two or more")
+        raise cli.UsageError(f"{source}: column {column!r} has a single class {names}; classification needs two or more")
     return False, names
 
 
@@ -259,7 +259,7 @@ def tag_scheme(train, column: str, source: str):
     try:
         values = {str(t) for tags in train[column] for t in tags}
     except TypeError:
-        raise D.UsageError(f"{source}: column {column!r} must hold a list of tags per row") from None
+        raise cli.UsageError(f"{source}: column {column!r} must hold a list of tags per row") from None
     return sorted(values, key=lambda s: (len(s), s) if s.lstrip("-").isdigit() else (0, s))
 
 
@@ -268,11 +268,11 @@ def load_model(model_args, model_class, **config_kwargs):
     directory, then loaded like ours so that the new head gets `config_kwargs`)."""
     source = model_args.model_name_or_path
     if not source:
-        raise D.UsageError("--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)")
+        raise cli.UsageError("--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)")
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as e:
-        raise D.UsageError(f"--model_name_or_path {source}: cannot load a config: {str(e).splitlines()[0]}") from e
+        raise cli.UsageError(f"--model_name_or_path {source}: cannot load a config: {str(e).splitlines()[0]}") from e
     if config.model_type == "bert_impl":
         return model_class.from_pretrained(source, **config_kwargs)
     if config.model_type == "bert":
@@ -281,36 +281,36 @@ def load_model(model_args, model_class, **config_kwargs):
         with tempfile.TemporaryDirectory() as tmp:
             from_hf_bert(source, model_class=hf_bert_impl.BertImplModel).save_pretrained(tmp)
             return model_class.from_pretrained(tmp, **config_kwargs)
-    raise D.UsageError(f"--model_name_or_path {source}: model_type {config.model_type!r} is neither 'bert_impl' nor 'bert'")
+    raise cli.UsageError(f"--model_name_or_path {source}: model_type {config.model_type!r} is neither 'bert_impl' nor 'bert'")
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the fine-tuning; returns the final metrics (eval_* and, when the test split has real labels, test_*)."""
-    model_args, data_args, training_args = D.parse_script_arguments(
+    model_args, data_args, training_args = cli.parse_script_arguments(
         (ModelArguments, DataArguments, TrainingArguments), argv, logger
     )
     if data_args.early_stopping_patience is not None and not training_args.load_best_model_at_end:
-        raise D.UsageError(
+        raise cli.UsageError(
             "--early_stopping_patience needs --load_best_model_at_end with matching --eval_strategy / --save_strategy"
         )
 
-    resume = D.resolve_resume_argument(training_args)
+    resume = cli.resolve_resume_argument(training_args)
 
     set_seed(training_args.seed)
     raw, dataset_source, sources = load_data(data_args, training_args.seed)
     if "train" not in raw:
-        raise D.UsageError(f"{dataset_source}: no train split")
+        raise cli.UsageError(f"{dataset_source}: no train split")
     train_src = sources["train"]
     task = resolve_task(model_args, data_args, raw["train"])
     if data_args.pack_sequences and task != "token":
-        raise D.UsageError("--pack_sequences needs token classification (--task_type token): a packed row holds several "
+        raise cli.UsageError("--pack_sequences needs token classification (--task_type token): a packed row holds several "
                            "sequences, and a sequence-classification head reads one [CLS] per row")
 
     # Check every split's columns and labels before the model or tokenizer is touched.
     if task == "token":
         tags_col = data_args.tags_column or next((c for c in TAG_COLUMNS if c in raw["train"].column_names), None)
         if tags_col is None:
-            raise D.UsageError(f"{train_src}: no tag column; expected one of {list(TAG_COLUMNS)} or --tags_column")
+            raise cli.UsageError(f"{train_src}: no tag column; expected one of {list(TAG_COLUMNS)} or --tags_column")
         for split, ds in raw.items():
             D.check_columns(ds, [data_args.tokens_column] + ([tags_col] if split == "train" else []), sources[split])
         is_regression = False
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
                 raw[split], label_col, task == "token", task != "token" and is_regression_column(raw["train"], label_col),
                 sources[split]):
             if split == "train":
-                raise D.UsageError(f"{sources[split]}: every label in column {label_col!r} is a placeholder (-1 or None); "
+                raise cli.UsageError(f"{sources[split]}: every label in column {label_col!r} is a placeholder (-1 or None); "
                                    "training needs labelled rows")
             raw[split] = raw[split].remove_columns(label_col)
             unlabeled[split] = "placeholder labels (-1 / None): predictions only, no metrics"
@@ -346,16 +346,16 @@ def main(argv: list[str] | None = None) -> dict:
         values = {str(t) for tags in ds[label_col] for t in tags} if task == "token" else {str(v) for v in ds[label_col]}
         unknown = sorted(values - set(label2id))
         if unknown:
-            raise D.UsageError(f"{sources[split]}: labels {unknown[:5]} do not occur in the training data {label_names}")
+            raise cli.UsageError(f"{sources[split]}: labels {unknown[:5]} do not occur in the training data {label_names}")
 
     if not model_args.model_name_or_path:
-        raise D.UsageError("--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)")
+        raise cli.UsageError("--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)")
     tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     except (OSError, ValueError) as e:
         flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
-        raise D.UsageError(f"{flag} {tokenizer_source}: no tokenizer could be loaded ({str(e).splitlines()[0]})") from e
+        raise cli.UsageError(f"{flag} {tokenizer_source}: no tokenizer could be loaded ({str(e).splitlines()[0]})") from e
     if data_args.max_train_samples is not None:
         raw["train"] = raw["train"].select(range(min(len(raw["train"]), data_args.max_train_samples)))
 
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     model = load_model(model_args, model_class, **config_kwargs)
     if tokenizer is None or len(tokenizer) > model.config.vocab_size:
-        raise D.UsageError(
+        raise cli.UsageError(
             f"the tokenizer has {len(tokenizer) if tokenizer else 0} tokens but the model's vocab_size is "
             f"{model.config.vocab_size}; pass a matching --tokenizer_name"
         )
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
         collator = DataCollatorForTokenClassification(tokenizer)
     else:
         collator = DataCollatorWithPadding(tokenizer)
-    D.default_logging_steps(training_args, num_update_steps=None)
+    cli.default_logging_steps(training_args, num_update_steps=None)
     callbacks = [EarlyStoppingCallback(data_args.early_stopping_patience)] if data_args.early_stopping_patience else []
     eval_splits, predict_splits = split_roles(encoded)
     eval_splits = [k for k in eval_splits if k not in unlabeled]
@@ -461,9 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
         training_args.logging_steps = max(1, int(len(trainer.get_train_dataloader()) * training_args.num_train_epochs
                                                  / training_args.gradient_accumulation_steps) // 50)
     train_result = trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model()
-    trainer.save_state()
-    trainer.log_metrics("train", train_result.metrics)
+    cli.save_trained(trainer, train_result)
     final, other_metrics = {}, {}
     if evaluation is not None:
         final.update(trainer.evaluate())
@@ -493,42 +491,30 @@ def main(argv: list[str] | None = None) -> dict:
     predictions_file = Path(predictions_files[predict_splits[0]]) if predictions_files else None
     trainer.save_metrics("all", {**final, **other_metrics})
 
-    if trainer.is_world_process_zero():
-        out = Path(training_args.output_dir)
-        D.plot_loss_curve(trainer.state.log_history, out / "loss_curve.png", title=f"{type(model).__name__} fine-tuning")
-        D.write_training_facts(
-            out,
-            task="token-classification" if task == "token" else "text-classification",
-            dataset=dataset_source,
-            base_model=model_args.model_name_or_path,
-            hyperparameters={
-                "learning_rate": training_args.learning_rate,
-                "train_batch_size": training_args.per_device_train_batch_size,
-                "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-                "world_size": training_args.world_size,
-                "num_train_epochs": training_args.num_train_epochs if training_args.max_steps <= 0 else None,
-                "max_steps": training_args.max_steps if training_args.max_steps > 0 else trainer.state.global_step,
-                "warmup_steps": training_args.warmup_steps,
-                "weight_decay": training_args.weight_decay,
-                "seed": training_args.seed,
-                "max_seq_length": data_args.max_seq_length,
-                "early_stopping_patience": data_args.early_stopping_patience,
-                "metric": metric_name,
-            },
-            # The card's metrics are for one split (validation); test numbers are kept beside them.
-            metrics={k: v for k, v in final.items() if k.startswith("eval_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
-            test_metrics={k: v for k, v in final.items() if k.startswith("test_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
-            other_split_metrics=other_metrics or None,
-            unlabeled_splits=unlabeled or None,
-            predictions_files=predictions_files or None,
-            dataset_config=data_args.dataset_config_name,
-            dataset_split=eval_splits[0] if evaluation is not None else None,
-            labels=label_names,
-            predictions_file=predictions_file.name if predictions_file else None,
-        )
-        from hf_bert_impl.hub import save_model_card
-
-        save_model_card(out)
+    out = cli.finish_run(
+        trainer,
+        title=f"{type(model).__name__} fine-tuning",
+        task="token-classification" if task == "token" else "text-classification",
+        dataset=dataset_source,
+        base_model=model_args.model_name_or_path,
+        hyperparameters={
+            "num_train_epochs": training_args.num_train_epochs if training_args.max_steps <= 0 else None,
+            "max_seq_length": data_args.max_seq_length,
+            "early_stopping_patience": data_args.early_stopping_patience,
+            "metric": metric_name,
+        },
+        # The card's metrics are for one split (validation); test numbers are kept beside them.
+        metrics={k: v for k, v in final.items() if k.startswith("eval_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
+        test_metrics={k: v for k, v in final.items() if k.startswith("test_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
+        other_split_metrics=other_metrics or None,
+        unlabeled_splits=unlabeled or None,
+        predictions_files=predictions_files or None,
+        dataset_config=data_args.dataset_config_name,
+        dataset_split=eval_splits[0] if evaluation is not None else None,
+        labels=label_names,
+        predictions_file=predictions_file.name if predictions_file else None,
+    )
+    if out:
         logger.info("saved the model, tokenizer, predictions, loss curve and model card to %s", out)
     return final
 
@@ -564,4 +550,4 @@ def write_predictions(path, raw_split, predictions, task, is_regression, label_n
 
 
 if __name__ == "__main__":
-    sys.exit(D.run_cli(main))
+    sys.exit(cli.run_cli(main))

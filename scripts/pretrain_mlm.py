@@ -47,6 +47,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
 from hf_bert_impl import SIZE_PRESETS, BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining
+from hf_bert_impl import cli
 from hf_bert_impl import data as D
 
 logger = logging.getLogger("pretrain_mlm")
@@ -118,7 +119,7 @@ def parse_config_overrides(text: str | None) -> dict:
     out = {}
     for item in filter(None, (text or "").split(",")):
         if "=" not in item:
-            raise D.UsageError(f"--config_overrides: {item!r} is not of the form name=value")
+            raise cli.UsageError(f"--config_overrides: {item!r} is not of the form name=value")
         key, value = (s.strip() for s in item.split("=", 1))
         for cast in (int, float):
             try:
@@ -136,7 +137,7 @@ def load_raw_data(data_args: DataArguments, seed: int):
     """-> (DatasetDict with "train" and maybe "validation", dataset description for the model card).
     With --streaming "train" is an IterableDataset, read lazily."""
     if data_args.dataset_name and (data_args.train_file or data_args.validation_file):
-        raise D.UsageError(
+        raise cli.UsageError(
             f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file are exclusive: give one data source"
         )
     if data_args.streaming:
@@ -149,7 +150,7 @@ def load_raw_data(data_args: DataArguments, seed: int):
             train = D.stream_data_file(data_args.train_file)
             source = Path(data_args.train_file).name
         else:
-            raise D.UsageError("--streaming needs --train_file (or --dataset_name): the embedded corpus is loaded whole")
+            raise cli.UsageError("--streaming needs --train_file (or --dataset_name): the embedded corpus is loaded whole")
         raw = {"train": train.filter(lambda row: isinstance(row.get(data_args.text_column), str)
                                      and bool(row[data_args.text_column].strip()))}
         if data_args.validation_file:
@@ -158,9 +159,9 @@ def load_raw_data(data_args: DataArguments, seed: int):
             raw["validation"] = validation
         first = next(iter(train.take(1)), None)
         if first is None:
-            raise D.UsageError(f"{source}: the stream holds no rows")
+            raise cli.UsageError(f"{source}: the stream holds no rows")
         if data_args.text_column not in first:
-            raise D.UsageError(f"{source}: missing column(s) {[data_args.text_column]}; found {sorted(first)}")
+            raise cli.UsageError(f"{source}: missing column(s) {[data_args.text_column]}; found {sorted(first)}")
         return raw, source
     if data_args.dataset_name:
         import datasets
@@ -172,7 +173,7 @@ def load_raw_data(data_args: DataArguments, seed: int):
         source = Path(data_args.train_file).name
         files = {"train": data_args.train_file, "validation": data_args.validation_file}
     elif data_args.validation_file:
-        raise D.UsageError(f"--validation_file {data_args.validation_file} was given without --train_file")
+        raise cli.UsageError(f"--validation_file {data_args.validation_file} was given without --train_file")
     else:
         return D.default_corpus_dataset(), D.DEFAULT_CORPUS_NAME
     for split in raw:
@@ -182,7 +183,7 @@ def load_raw_data(data_args: DataArguments, seed: int):
             continue
         texts = [t for t in raw[split][data_args.text_column] if isinstance(t, str) and t.strip()]
         if not texts:
-            raise D.UsageError(f"--train_file {data_args.train_file}: column {data_args.text_column!r} holds no text")
+            raise cli.UsageError(f"--train_file {data_args.train_file}: column {data_args.text_column!r} holds no text")
     if "validation" not in raw and data_args.validation_split_percentage > 0 and len(raw["train"]) >= 20:
         parts = raw["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=seed)
         raw["train"], raw["validation"] = parts["train"], parts["test"]
@@ -195,7 +196,7 @@ def load_tokenizer(model_args: ModelArguments, raw, text_column: str, resume_dir
         try:
             return AutoTokenizer.from_pretrained(model_args.tokenizer_name)
         except (OSError, ValueError) as e:
-            raise D.UsageError(
+            raise cli.UsageError(
                 f"--tokenizer_name {model_args.tokenizer_name}: no tokenizer could be loaded ({str(e).splitlines()[0]})"
             ) from e
     for candidate in (resume_dir, model_args.model_name_or_path):
@@ -239,7 +240,7 @@ def build_model(model_args: ModelArguments, tokenizer, nsp: bool):
                 for key, value in overrides.items():
                     setattr(model.config, key, value)
             else:
-                raise D.UsageError(
+                raise cli.UsageError(
                     f"--model_name_or_path {source}: model_type {config.model_type!r} is neither 'bert_impl' nor 'bert'"
                 )
         else:
@@ -247,17 +248,17 @@ def build_model(model_args: ModelArguments, tokenizer, nsp: bool):
                 config = BertImplConfig.from_pretrained(model_args.config_name, **overrides)
             else:
                 if model_args.model_size not in SIZE_PRESETS:
-                    raise D.UsageError(f"--model_size {model_args.model_size!r}: choose one of {list(SIZE_PRESETS)}")
+                    raise cli.UsageError(f"--model_size {model_args.model_size!r}: choose one of {list(SIZE_PRESETS)}")
                 config = BertImplConfig.from_preset(
                     model_args.model_size, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **overrides
                 )
             model = model_class(config)
-    except D.UsageError:
+    except cli.UsageError:
         raise
     except ValueError as e:  # BertImplConfig's validation names the field and the value
-        raise D.UsageError(str(e).splitlines()[0]) from e
+        raise cli.UsageError(str(e).splitlines()[0]) from e
     if len(tokenizer) > model.config.vocab_size:
-        raise D.UsageError(
+        raise cli.UsageError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
             "pass the model's own tokenizer or a matching --tokenizer_name"
         )
@@ -296,30 +297,30 @@ def compute_metrics(eval_pred):
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the pretraining; returns the final evaluation metrics (empty without validation data)."""
-    model_args, data_args, training_args = D.parse_script_arguments(
+    model_args, data_args, training_args = cli.parse_script_arguments(
         (ModelArguments, DataArguments, TrainingArguments), argv, logger
     )
     if data_args.nsp and data_args.whole_word_mask:
-        raise D.UsageError("--whole_word_mask is supported for MLM blocks only, not with --nsp")
+        raise cli.UsageError("--whole_word_mask is supported for MLM blocks only, not with --nsp")
     if not 0.0 < data_args.mlm_probability < 1.0:
-        raise D.UsageError(f"--mlm_probability must lie in (0, 1), got {data_args.mlm_probability}")
+        raise cli.UsageError(f"--mlm_probability must lie in (0, 1), got {data_args.mlm_probability}")
 
-    resume = D.resolve_resume_argument(training_args)
+    resume = cli.resolve_resume_argument(training_args)
 
     set_seed(training_args.seed)
     raw, dataset_source = load_raw_data(data_args, training_args.seed)
     if data_args.streaming and training_args.max_steps <= 0:
-        raise D.UsageError("--streaming needs --max_steps: a stream has no length to count epochs in")
+        raise cli.UsageError("--streaming needs --max_steps: a stream has no length to count epochs in")
     if data_args.pack_sequences and data_args.nsp:
-        raise D.UsageError("--pack_sequences packs MLM sequences; next-sentence prediction (--nsp) reads one pair per row")
+        raise cli.UsageError("--pack_sequences packs MLM sequences; next-sentence prediction (--nsp) reads one pair per row")
     if data_args.pack_sequences and data_args.whole_word_mask:
-        raise D.UsageError("--pack_sequences cannot be combined with --whole_word_mask (packed rows carry no word offsets)")
+        raise cli.UsageError("--pack_sequences cannot be combined with --whole_word_mask (packed rows carry no word offsets)")
     if data_args.pack_sequences and data_args.static_masking:
-        raise D.UsageError("--pack_sequences masks per batch; it cannot be combined with --static_masking")
+        raise cli.UsageError("--pack_sequences masks per batch; it cannot be combined with --static_masking")
     if data_args.streaming and (data_args.nsp or data_args.static_masking):
-        raise D.UsageError("--streaming supports MLM with per-batch masking only (not --nsp or --static_masking)")
+        raise cli.UsageError("--streaming supports MLM with per-batch masking only (not --nsp or --static_masking)")
     if model_args.tokenizer_train_samples <= 0:
-        raise D.UsageError(f"--tokenizer_train_samples must be a positive integer, got {model_args.tokenizer_train_samples}")
+        raise cli.UsageError(f"--tokenizer_train_samples must be a positive integer, got {model_args.tokenizer_train_samples}")
     tokenizer = load_tokenizer(model_args, raw, data_args.text_column, resume, training_args, data_args.streaming)
 
     with training_args.main_process_first(desc="tokenizing"):
@@ -338,14 +339,14 @@ def main(argv: list[str] | None = None) -> dict:
     train = splits["train"]
     if data_args.streaming:
         if next(iter(train.take(1)), None) is None:
-            raise D.UsageError(
+            raise cli.UsageError(
                 f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} tokens; "
                 "add text or lower --max_seq_length"
             )
         if data_args.max_train_samples is not None:
             train = train.take(data_args.max_train_samples)
     elif len(train) == 0:
-        raise D.UsageError(
+        raise cli.UsageError(
             f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} tokens; "
             "add text or lower --max_seq_length"
         )
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(model_args, tokenizer, data_args.nsp)
     logger.info("model: %s, %.2fM parameters, %s training examples of %d tokens", type(model).__name__,
                 model.num_parameters() / 1e6, "streamed" if data_args.streaming else len(train), data_args.max_seq_length)
-    D.default_logging_steps(training_args)
+    cli.default_logging_steps(training_args)
     # The collator needs special_tokens_mask / offset_mapping, which Trainer would drop as columns
     # the model's forward does not take; every column of these datasets is meant for the collator or model.
     training_args.remove_unused_columns = False
@@ -391,10 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
     model.config.sparse_prediction = model_args.sparse_prediction
     train_result = trainer.train(resume_from_checkpoint=resume)
     model.config.sparse_prediction = False
-    trainer.save_model()
-    trainer.save_state()
-    metrics = dict(train_result.metrics)
-    trainer.log_metrics("train", metrics)
+    metrics = cli.save_trained(trainer, train_result)
     eval_metrics = {}
     if evaluation is not None:
         eval_metrics = trainer.evaluate()
@@ -402,42 +400,30 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
 
-    if trainer.is_world_process_zero():
-        out = Path(training_args.output_dir)
-        D.plot_loss_curve(trainer.state.log_history, out / "loss_curve.png", title=f"{type(model).__name__} pretraining")
-        D.write_training_facts(
-            out,
-            task="fill-mask",
-            dataset=dataset_source,
-            base_model=model_args.model_name_or_path,
-            hyperparameters={
-                "learning_rate": training_args.learning_rate,
-                "train_batch_size": training_args.per_device_train_batch_size,
-                "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-                "world_size": training_args.world_size,
-                "max_steps": training_args.max_steps if training_args.max_steps > 0 else trainer.state.global_step,
-                "num_train_epochs": round(trainer.state.epoch or 0.0, 3),
-                "warmup_steps": training_args.warmup_steps,
-                "weight_decay": training_args.weight_decay,
-                "seed": training_args.seed,
-                "max_seq_length": data_args.max_seq_length,
-                "mlm_probability": data_args.mlm_probability,
-                "whole_word_mask": data_args.whole_word_mask,
-                "next_sentence_prediction": data_args.nsp,
-                "streaming": data_args.streaming,
-                "pack_sequences": data_args.pack_sequences,
-                "model_size": None if model_args.model_name_or_path or model_args.config_name else model_args.model_size,
-            },
-            metrics={**{k: v for k, v in eval_metrics.items() if k in ("eval_loss", "eval_masked_accuracy", "eval_nsp_accuracy", "perplexity")},
-                     "train_loss": metrics.get("train_loss")},
-            dataset_split="validation" if evaluation is not None else None,
-        )
-        from hf_bert_impl.hub import save_model_card
-
-        save_model_card(out)
+    out = cli.finish_run(
+        trainer,
+        title=f"{type(model).__name__} pretraining",
+        task="fill-mask",
+        dataset=dataset_source,
+        base_model=model_args.model_name_or_path,
+        hyperparameters={
+            "num_train_epochs": round(trainer.state.epoch or 0.0, 3),
+            "max_seq_length": data_args.max_seq_length,
+            "mlm_probability": data_args.mlm_probability,
+            "whole_word_mask": data_args.whole_word_mask,
+            "next_sentence_prediction": data_args.nsp,
+            "streaming": data_args.streaming,
+            "pack_sequences": data_args.pack_sequences,
+            "model_size": None if model_args.model_name_or_path or model_args.config_name else model_args.model_size,
+        },
+        metrics={**{k: v for k, v in eval_metrics.items() if k in ("eval_loss", "eval_masked_accuracy", "eval_nsp_accuracy", "perplexity")},
+                 "train_loss": metrics.get("train_loss")},
+        dataset_split="validation" if evaluation is not None else None,
+    )
+    if out:
         logger.info("saved the model, tokenizer, loss curve and model card to %s", out)
     return eval_metrics
 
 
 if __name__ == "__main__":
-    sys.exit(D.run_cli(main))
+    sys.exit(cli.run_cli(main))

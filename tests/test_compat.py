@@ -19,14 +19,12 @@ import os
 import pytest
 import torch
 
+from hf_bert_impl import HEADS as AUTO_HEADS
 from hf_bert_impl import (
     BertImplForMaskedLM,
     BertImplForMultipleChoice,
-    BertImplForNextSentencePrediction,
-    BertImplForPreTraining,
     BertImplForQuestionAnswering,
     BertImplForSequenceClassification,
-    BertImplForTokenClassification,
     BertImplModel,
 )
 
@@ -35,16 +33,7 @@ from .conftest import REPO_ROOT, run_without_package
 COMPAT_DIR = REPO_ROOT / ".venv-compat"
 # version -> the side-install folder (scripts/setup_env.sh); None: this venv's own transformers.
 VERSIONS = {"4.57.6": "transformers-4.57.6", "5.0.0": "transformers-5.0.0", "venv": None}
-HEADS = [
-    (BertImplModel, "AutoModel"),
-    (BertImplForMaskedLM, "AutoModelForMaskedLM"),
-    (BertImplForPreTraining, "AutoModelForPreTraining"),
-    (BertImplForNextSentencePrediction, "AutoModelForNextSentencePrediction"),
-    (BertImplForSequenceClassification, "AutoModelForSequenceClassification"),
-    (BertImplForTokenClassification, "AutoModelForTokenClassification"),
-    (BertImplForQuestionAnswering, "AutoModelForQuestionAnswering"),
-    (BertImplForMultipleChoice, "AutoModelForMultipleChoice"),
-]
+HEADS = [(cls, auto.__name__) for auto, cls in AUTO_HEADS.items()]  # every head, with the Auto class that loads it
 TOL = 1e-6
 
 CHILD = r"""

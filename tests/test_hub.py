@@ -56,7 +56,7 @@ def test_card_without_facts_says_not_recorded_and_invents_nothing(saved_mlm):
     path = save_model_card(saved_mlm)
     assert path == saved_mlm / "README.md"
     card = ModelCard.load(path)
-    validate_model_card(card)
+    validate_model_card(card, saved_mlm)
     data = card.data.to_dict()
     assert data["library_name"] == "transformers"
     assert data["pipeline_tag"] == "fill-mask"
@@ -78,7 +78,7 @@ def test_card_results_match_recorded_metrics(saved_mlm):
     (saved_mlm / "training_facts.json").write_text(json.dumps(FACTS))
     (saved_mlm / "loss_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     card = ModelCard.load(save_model_card(saved_mlm, repo_id="someone/bert-impl-mlm"))
-    validate_model_card(card)
+    validate_model_card(card, saved_mlm)
     data = card.data
     assert data.base_model == FACTS["base_model"]
     assert data.datasets == ["wikitext"]
@@ -97,21 +97,24 @@ def test_card_results_match_recorded_metrics(saved_mlm):
     assert 'from_pretrained("someone/bert-impl-mlm", trust_remote_code=True)' in card.text
 
 
-def test_card_from_a_fine_tuning_run_on_local_data(saved_mlm):
-    """Facts as `hf_bert_impl.data.write_training_facts` writes them after a fine-tuning run on a
+def test_card_from_a_fine_tuning_run_on_local_data(tmp_path, debug_config):
+    """Facts as `hf_bert_impl.cli.write_training_facts` writes them after a fine-tuning run on a
     local file, initialised from a local checkpoint: nothing local is passed off as a Hub id, and
     training loss stays out of the evaluation results."""
     from huggingface_hub import ModelCard
 
-    from hf_bert_impl.data import write_training_facts
+    from hf_bert_impl import BertImplForTokenClassification
+    from hf_bert_impl.cli import write_training_facts
 
+    model_dir = tmp_path / "ner"
+    BertImplForTokenClassification(debug_config(num_labels=3)).save_pretrained(model_dir)
     write_training_facts(
-        saved_mlm, task="token-classification", dataset="ner.jsonl", base_model=str(saved_mlm.parent / "mlm-pretrained"),
+        model_dir, task="token-classification", dataset="ner.jsonl", base_model=str(tmp_path / "mlm-pretrained"),
         hyperparameters={"learning_rate": 3e-5, "num_train_epochs": None, "max_steps": 40},
         metrics={"eval_f1": 0.8125, "eval_accuracy": 0.9, "train_loss": 0.31, "eval_bad": float("inf")},
         loss_curve=None, labels=["O", "B-PER", "I-PER"], dataset_split="validation")
-    card = ModelCard.load(save_model_card(saved_mlm))
-    validate_model_card(card)
+    card = ModelCard.load(save_model_card(model_dir))
+    validate_model_card(card, model_dir)
     data = card.data
     assert data.pipeline_tag == "token-classification"
     assert "base_model" not in data.to_dict() and "datasets" not in data.to_dict()
@@ -136,6 +139,57 @@ def test_bad_training_facts_are_named(saved_mlm, facts, message):
     (saved_mlm / "training_facts.json").write_text(json.dumps(facts))
     with pytest.raises(ValueError, match=re.escape(message)):
         build_model_card(saved_mlm)
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("value: 4.123456789", "value: 4.12345679", "model-index metrics"),  # a rounded metric
+        ("      name: perplexity\n", "      name: eval_perplexity\n", "model-index metrics"),
+        ("      name: wikitext\n", "      name: wikitext-103\n", "model-index result 'eval_loss' is for task 'fill-mask' on 'wikitext-103'"),
+        ("      type: fill-mask\n", "      type: text-classification\n", "is for task 'text-classification'"),
+        ("pipeline_tag: fill-mask", "pipeline_tag: text-classification", "pipeline_tag is 'text-classification'"),
+        ("| Head | `BertImplForMaskedLM`", "| Head | `BertImplModel`", "the head row does not name"),
+        # the second snippet (the plain-BERT export) loads another head than the first
+        ("to_hf_bert\n\nmodel = AutoModelForMaskedLM.", "to_hf_bert\n\nmodel = AutoModel.",
+         "the usage snippets load the model with ['AutoModel', 'AutoModelForMaskedLM']"),
+        ("2 layers, hidden 32, 4 heads", "2 layers, hidden 4, 32 heads", "the size row states"),
+        ("vocabulary 99 |", "vocabulary 98 |", "the size row states"),
+    ],
+)
+def test_card_that_disagrees_with_the_model_fails_validation(saved_mlm, old, new, message):
+    """validate_model_card reads the rendered card back and compares it with config.json and
+    training_facts.json: each edit below (a number off, a name swapped) makes it fail."""
+    from huggingface_hub import ModelCard
+
+    (saved_mlm / "training_facts.json").write_text(json.dumps(FACTS))
+    (saved_mlm / "loss_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    text = str(build_model_card(saved_mlm, repo_id="someone/bert-impl-mlm"))
+    validate_model_card(ModelCard(text), saved_mlm)
+    assert text.count(old) == 1
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_model_card(ModelCard(text.replace(old, new)), saved_mlm)
+
+
+def test_card_validation_reads_the_current_facts_and_config(saved_mlm):
+    """A card rendered before the facts or the config changed no longer validates; a run whose
+    facts name another task than its head's cannot get a card at all."""
+    facts = dict(FACTS)
+    (saved_mlm / "training_facts.json").write_text(json.dumps(facts))
+    (saved_mlm / "loss_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    card = build_model_card(saved_mlm)
+    (saved_mlm / "training_facts.json").write_text(json.dumps({**facts, "metrics": {"eval_loss": 4.0}}))
+    with pytest.raises(ValueError, match=re.escape("are not the run's quality metrics {'eval_loss': 4.0}")):
+        validate_model_card(card, saved_mlm)
+    (saved_mlm / "training_facts.json").write_text(json.dumps(facts))
+    config = json.loads((saved_mlm / "config.json").read_text())
+    (saved_mlm / "config.json").write_text(json.dumps({**config, "architectures": ["BertImplForSequenceClassification"]}))
+    with pytest.raises(ValueError, match="pipeline_tag is 'fill-mask', but config.json's head BertImplForSequenceClassification"):
+        validate_model_card(card, saved_mlm)
+    (saved_mlm / "config.json").write_text(json.dumps(config))
+    (saved_mlm / "training_facts.json").write_text(json.dumps({**facts, "task": "token-classification"}))
+    with pytest.raises(ValueError, match="pipeline_tag is 'token-classification', but config.json's head BertImplForMaskedLM"):
+        save_model_card(saved_mlm)
 
 
 def test_card_refuses_a_directory_that_is_not_bert_impl(tmp_path):
@@ -293,7 +347,7 @@ def test_dry_run_folder_is_exactly_the_hub_repository(hub_setup):
     for name in ("configuration_bert_impl.py", "modeling_bert_impl.py"):
         assert (folder / name).read_bytes() == (REPO_ROOT / "hf_bert_impl" / name).read_bytes()
     card = ModelCard.load(folder / "README.md")
-    validate_model_card(card)
+    validate_model_card(card, hub_setup.dirs["mlm"])
     assert {r.metric_name: r.metric_value for r in card.data.eval_results} == {
         "eval_loss": FACTS["metrics"]["eval_loss"], "perplexity": FACTS["metrics"]["perplexity"]}
     assert 'AutoModelForMaskedLM.from_pretrained("owner/mlm", trust_remote_code=True)' in card.text
@@ -702,7 +756,7 @@ def test_pretraining_run_to_upload_folder(tmp_path):
     assert _push_script().main(["--model-dir", str(run), "--repo-id", "owner/mlm-run", "--dry-run", str(upload)]) == 0
     assert sorted(_files(upload)) == UPLOAD  # no checkpoint-*, training_args.bin, trainer_state.json, *_results.json
     card = ModelCard.load(upload / "README.md")
-    validate_model_card(card)
+    validate_model_card(card, run)
     recorded = json.loads((run / "eval_results.json").read_text())
     results = {r.metric_name: r.metric_value for r in card.data.eval_results}
     assert results == {k: recorded[k] for k in ("eval_loss", "eval_masked_accuracy", "perplexity")}
@@ -722,7 +776,7 @@ def test_converted_checkpoint_to_upload_folder(minilm_dir, tmp_path):
                                       "modeling_bert_impl.py", "special_tokens_map.json", "tokenizer.json",
                                       "tokenizer_config.json", "vocab.txt"]
     card = ModelCard.load(upload / "README.md")
-    validate_model_card(card)
+    validate_model_card(card, converted)
     # a local directory is not a Hub id, so it is named in the text and kept out of the metadata
     assert "base_model" not in card.data.to_dict()
     assert f"| Base model | `{minilm_dir}` (a local checkpoint) |" in card.text

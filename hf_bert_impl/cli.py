@@ -1,0 +1,161 @@
+"""The training scripts' command-line plumbing: argument preamble, one-line errors, and the end of a
+run (save, training_facts.json, loss-curve PNG, model card) that `scripts/pretrain_mlm.py` and
+`scripts/finetune.py` share. The data they train on is in `hf_bert_impl.data`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+from .hub import FACTS_FILE, save_model_card
+
+LOSS_CURVE_FILE = "loss_curve.png"
+
+
+class UsageError(ValueError):
+    """A problem with the user's input (a file, a column, an option): the scripts print its message as
+    one line and exit with status 2 instead of a traceback."""
+
+
+def parse_script_arguments(dataclass_types, argv, logger):
+    """The training scripts' arguments through HfArgumentParser: a single .json path on the command line
+    (transformers' example convention) or the flags; then logging (info on the main process only)."""
+    import transformers
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(dataclass_types)
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        parsed = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    logger.setLevel(logging.INFO if parsed[-1].should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity_warning()
+    return parsed
+
+
+def run_cli(main) -> int:
+    """Run a script's `main()`; a UsageError (bad file, bad option) becomes one line on stderr and exit
+    status 2, as argparse does, instead of a traceback."""
+    try:
+        main()
+    except UsageError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def resolve_resume_argument(training_args) -> str | None:
+    """`--resume_from_checkpoint`: "true" means the latest checkpoint-* in --output_dir (as Trainer users
+    expect from `trainer.train(resume_from_checkpoint=True)`), "false" / unset means none, anything
+    else must be a checkpoint directory. Bad values are UsageErrors naming them."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    resume = training_args.resume_from_checkpoint
+    if resume is None or str(resume).lower() in ("false", ""):
+        return None
+    if str(resume).lower() == "true":
+        last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+        if last is None:
+            raise UsageError(f"--resume_from_checkpoint true: no checkpoint-* directory in {training_args.output_dir}")
+        return last
+    if not Path(resume).is_dir():
+        raise UsageError(f"--resume_from_checkpoint {resume}: no such directory")
+    return resume
+
+
+def plot_loss_curve(log_history: list[dict], path, title: str = "loss") -> Path:
+    """Training loss per logged step (and evaluation loss where logged) from
+    `trainer.state.log_history`, drawn with matplotlib's Agg backend into `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h and "step" in h]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="training loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="evaluation loss")
+    if not (train or evals):
+        ax.text(0.5, 0.5, "no loss was logged (raise the step count or lower --logging_steps)",
+                ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if train or evals:
+        ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_training_facts(output_dir, *, task, dataset, base_model, hyperparameters, metrics,
+                         loss_curve=LOSS_CURVE_FILE, **extra) -> Path:
+    """`output_dir/training_facts.json`, the facts `hf_bert_impl.hub.save_model_card` puts in the card.
+    Metrics that are not finite numbers (e.g. a perplexity that overflowed) are left out."""
+    clean = {k: float(v) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    facts = {"task": task, "dataset": dataset, "base_model": base_model, "hyperparameters": hyperparameters,
+             "metrics": clean, "loss_curve": loss_curve, **extra}
+    path = Path(output_dir) / FACTS_FILE
+    path.write_text(json.dumps(facts, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    return path
+
+
+def default_logging_steps(training_args, num_update_steps: int | None = None) -> None:
+    """Trainer logs every 500 steps by default, which leaves short runs without a loss curve: when
+    the user kept that default, log about 50 points over the run instead."""
+    if training_args.logging_steps == 500 and training_args.logging_strategy == "steps":
+        steps = training_args.max_steps if training_args.max_steps > 0 else num_update_steps
+        if steps:
+            training_args.logging_steps = max(1, steps // 50)
+
+
+def save_trained(trainer, train_result) -> dict:
+    """Right after `trainer.train()`: the model and tokenizer (`trainer.save_model`) and the trainer
+    state into `--output_dir`; logs the training metrics and returns them."""
+    trainer.save_model()
+    trainer.save_state()
+    metrics = dict(train_result.metrics)
+    trainer.log_metrics("train", metrics)
+    return metrics
+
+
+def run_hyperparameters(trainer) -> dict:
+    """The hyperparameters every training run records in its facts (a script adds its own)."""
+    args = trainer.args
+    return {
+        "learning_rate": args.learning_rate,
+        "train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "world_size": args.world_size,
+        "max_steps": args.max_steps if args.max_steps > 0 else trainer.state.global_step,
+        "warmup_steps": args.warmup_steps,
+        "weight_decay": args.weight_decay,
+        "seed": args.seed,
+    }
+
+
+def finish_run(trainer, *, title: str, task: str, hyperparameters: dict, **facts) -> Path | None:
+    """The end of a training script, once the model is saved: on the main process, the loss curve
+    (`title`), `training_facts.json` (`run_hyperparameters` plus the script's `hyperparameters`, and
+    the other `facts`: dataset, base_model, metrics, ...) and the model card rendered from them, all
+    in `--output_dir`. Returns that directory on the main process, None on the others."""
+    if not trainer.is_world_process_zero():
+        return None
+    out = Path(trainer.args.output_dir)
+    plot_loss_curve(trainer.state.log_history, out / LOSS_CURVE_FILE, title=title)
+    write_training_facts(out, task=task, hyperparameters={**run_hyperparameters(trainer), **hyperparameters}, **facts)
+    save_model_card(out)
+    return out
