@@ -11,18 +11,24 @@ from transformers import AutoConfig
 
 from . import modeling_bert_impl
 from .configuration_bert_impl import AUTO_MAP, HEAD_TABLE, SIZE_PRESETS, BertImplConfig
-from .modeling_bert_impl import (
+from .modeling_bert_impl import (  # the heads by name, for editors; HEADS below is read off the table
+    BertImplForMaskedLM,
+    BertImplForMultipleChoice,
+    BertImplForNextSentencePrediction,
+    BertImplForPreTraining,
     BertImplForPreTrainingOutput,
+    BertImplForQuestionAnswering,
+    BertImplForSequenceClassification,
+    BertImplForTokenClassification,
+    BertImplModel,
     BertImplPreTrainedModel,
     sinusoidal_position_encoding,
 )
 
 __version__ = "0.2.0"
 
-# Auto class -> our head, read off the head table; both registrations below use it, and every head
-# is exported from the package under its own name (hf_bert_impl.BertImplForMaskedLM, ...).
+# Auto class -> our head, read off the head table; both registrations below use it.
 HEADS = {getattr(transformers, head.auto_class): getattr(modeling_bert_impl, head.name) for head in HEAD_TABLE}
-globals().update({cls.__name__: cls for cls in HEADS.values()})
 
 
 def _register():

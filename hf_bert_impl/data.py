@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from transformers import BertTokenizerFast, DataCollatorForLanguageModeling, TrainerCallback
 
-from .cli import UsageError, run_cli  # noqa: F401  (run_cli: tests/test_real_data.py calls it as data.run_cli)
+from .cli import UsageError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 IGNORE_INDEX = -100

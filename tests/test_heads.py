@@ -34,5 +34,6 @@ def test_every_listing_is_read_off_the_table():
         "configuration_bert_impl.BertImplConfig"}
     assert [cls.__name__ for cls in hf_bert_impl.HEADS.values()] == names
     assert set(names) <= set(hf_bert_impl.__all__)
+    assert all(getattr(hf_bert_impl, cls.__name__) is cls for cls in hf_bert_impl.HEADS.values())  # exported by name
     assert list(HEAD_INFO) == names
     assert [cls.__name__ for cls in ARCHITECTURES.values()] == names

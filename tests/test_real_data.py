@@ -85,7 +85,7 @@ def test_some_placeholder_labels_among_real_ones_is_a_usage_error(finetune, file
     monkeypatch.setattr(sys, "argv", ["finetune.py", "--model_name_or_path", str(files / "mlm"), "--dataset_name",
                                       str(data), "--output_dir", str(tmp_path / "o"), *FAST])
     capsys.readouterr()
-    assert finetune.D.run_cli(finetune.main) == 2
+    assert finetune.cli.run_cli(finetune.main) == 2
     err = capsys.readouterr().err.strip()  # datasets' "Generating ... split" progress bars, then the error
     assert "Traceback" not in err and err.splitlines()[-1].startswith("finetune.py: error: "), err
     assert "1 of 6 labels" in err and "placeholders" in err, err
@@ -174,7 +174,7 @@ def _run_cli(script, argv, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["script.py", *argv])
     monkeypatch.setattr(script.Trainer, "train", lambda *a, **k: pytest.fail("training started"))
     capsys.readouterr()
-    code = script.D.run_cli(script.main)
+    code = script.cli.run_cli(script.main)
     return code, capsys.readouterr().err.strip()
 
 
