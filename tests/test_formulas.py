@@ -13,6 +13,7 @@ import torch.nn as nn
 from hf_bert_impl import BertImplForMaskedLM
 from hf_bert_impl.modeling_bert_impl import (
     BertImplSelfAttention,
+    TokenMap,
     eager_attention_forward,
     masked_lm_loss,
     sinusoidal_position_encoding,
@@ -109,10 +110,15 @@ def test_multihead_matches_seed_reference(debug_config, batch, backend):
     _, attention_mask, _ = batch
     x = torch.randn(attention_mask.shape[0], attention_mask.shape[1], config.hidden_size)
     mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    b, s = attention_mask.shape
     with torch.no_grad():
-        got, _ = ours(x, mask)
+        got, _ = ours(x, TokenMap((b, s), (b, s), mask))  # the padded batch: the grid is the batch
         want = seed(x, mask)
+        # the real tokens only (1, T, H), attention on a compact grid of the sequences
+        real = TokenMap.from_padding_mask(attention_mask, x.dtype, flash=False)
+        got_real, _ = ours(real.gather(x), real)
     assert (got - want).abs().max().item() <= 1e-5
+    assert (real.scatter(got_real) - want)[attention_mask.bool()].abs().max().item() <= 1e-5
 
 
 def test_mlm_loss_matches_hand_computation(debug_config):
