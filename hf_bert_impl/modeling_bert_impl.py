@@ -71,11 +71,8 @@ except ImportError:  # 4.57: _init_weights runs only on modules whose weights we
 
 def _init_copy_(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """tensor <- value at initialisation (transformers.initialization.copy_ where it exists)."""
-    if _hf_init is not None:
-        _hf_init.copy_(tensor, value)
-    else:
-        with torch.no_grad():
-            tensor.copy_(value)
+    with torch.no_grad():
+        (_hf_init.copy_ if _hf_init is not None else torch.Tensor.copy_)(tensor, value)
 
 
 def _attention_function(impl: str | None):
@@ -130,9 +127,8 @@ def _find_onednn_linear():
 
 _ONEDNN_LINEAR, _ONEDNN_DTYPES = _find_onednn_linear()
 
-# "auto" by CPU vendor, measured with scripts/benchmark.py: on AMD EPYC (Zen 4) MKL's fp32 GEMM takes a
-# slow path and oneDNN's is about 2x faster; on Intel Xeon MKL wins (most in the backward), so Intel
-# and any CPU not measured keep torch's own BLAS, as transformers does.
+# "auto" by CPU vendor, as measured: on AMD EPYC MKL's fp32 GEMM takes a slow path and oneDNN is ~2x
+# faster; on Intel MKL wins, so Intel and any CPU not measured keep torch's own BLAS, as transformers does.
 _AUTO_KERNEL_BY_VENDOR = {"AuthenticAMD": "onednn"}
 
 
@@ -183,10 +179,9 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 
 class BertImplLinear(nn.Linear):
-    """nn.Linear whose float32 / bfloat16 CPU GEMMs run on oneDNN where `linear_kernel(config.onednn_linear)`
-    says so. Per call only what can change between calls is looked at: dtype and device (a model is
-    moved, cast, or built on meta and loaded), plain tensors, autocast and graph capture (compile,
-    tracing, export take nn.Linear's own op). Everything else is nn.Linear's own path."""
+    """nn.Linear on oneDNN where `linear_kernel(config.onednn_linear)` says so. Per call only what can
+    change is looked at: dtype and device (a model is moved, cast, or built on meta and loaded), plain
+    tensors, autocast, graph capture (compile, tracing, export take nn.Linear's own op)."""
 
     def __init__(self, config: BertImplConfig, in_features: int, out_features: int):
         super().__init__(in_features, out_features)
@@ -289,18 +284,8 @@ class BertImplEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def position_vectors(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """(b, s) or (1, s) position ids -> (b|1, s, H) position vectors."""
-        if self.config.position_embedding_type == "learned":
-            return self.position_embeddings(position_ids)
-        table = self.position_encoding
-        # An all-padding batch on the unpadded path has no tokens at all: nothing to extend.
-        needed = int(position_ids.max()) + 1 if position_ids.numel() and not torch.compiler.is_compiling() else table.size(0)
-        if needed > table.size(0):  # longer than the stored rows: the formula holds for any position
-            table = sinusoidal_position_encoding(needed, self.config.hidden_size).to(table.device)
-        return F.embedding(position_ids, table.to(self.word_embeddings.weight.dtype))
-
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None) -> torch.Tensor:
+        """ids: (b, s), position_ids (b|1, s), inputs_embeds (b, s, H) -> (b, s, H)."""
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)  # (b, s, H)
         b, s = inputs_embeds.shape[:2]
@@ -308,7 +293,14 @@ class BertImplEmbeddings(nn.Module):
             position_ids = torch.arange(s, device=inputs_embeds.device).unsqueeze(0)  # (1, s)
         if token_type_ids is None:
             token_type_ids = torch.zeros((b, s), dtype=torch.long, device=inputs_embeds.device)
-        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids) + self.position_vectors(position_ids)
+        if self.config.position_embedding_type == "learned":
+            positions = self.position_embeddings(position_ids)  # (b|1, s, H)
+        else:  # past the stored rows the formula holds for any position (an all-padding batch has none)
+            table = self.position_encoding
+            if position_ids.numel() and not torch.compiler.is_compiling() and int(position_ids.max()) >= table.size(0):
+                table = sinusoidal_position_encoding(int(position_ids.max()) + 1, self.config.hidden_size).to(table.device)
+            positions = F.embedding(position_ids, table.to(self.word_embeddings.weight.dtype))  # (b|1, s, H)
+        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids) + positions
         return self.dropout(self.LayerNorm(embeddings))  # (b, s, H)
 
 
@@ -316,15 +308,12 @@ class BertImplEmbeddings(nn.Module):
 class TokenMap:
     """Where the tokens the layers run on sit; built once per forward, read by every layer.
 
-    The layers run on the padded batch (b, s, H) or on its T real tokens only (1, T, H), each
-    sequence's tokens contiguous (item 6). Attention sees them as `grid` = (n, m): n sequences of m
-    slots, with the additive or backend-specific `mask` of the empty slots, or None.
-      padded batch: the grid is the batch, (b, s); `mask` masks padding, or packed sequences apart.
-      real tokens:  grid_index (T,) is each token's slot in a compact grid of the n sequences
-                    (m = the longest); for flash-attention the grid is (1, T) and `attention_kwargs`
-                    carry cu_seqlens (n + 1,) and max_seqlen m (varlen).
-    indices (T,): the real tokens' places in the flattened (b*s) batch; None when the layers see
-    every position (the padded batch, a packed row).
+    The layers run on the padded batch (b, s, H), or on its T real tokens (1, T, H) with each sequence
+    contiguous; `indices` (T,) are their places in the flattened (b*s) batch (None: every position).
+    Attention sees them as `grid` (n, m), n sequences of m slots, with `mask` (additive, or the
+    backend's format) or None. The padded batch is its own grid (b, s); real tokens go to slots
+    `grid_index` (T,) of a compact grid (m = the longest), or for flash-attention stay a (1, T) grid
+    with cu_seqlens (n + 1,) and max_seqlen in `attention_kwargs` (varlen).
     """
 
     batch_shape: tuple[int, int]
@@ -820,17 +809,8 @@ class BertImplModel(BertImplPreTrainedModel):
         return TokenMap((b, s), (b, s), _bidirectional_mask(self.config, embeddings, attention_mask))
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        **kwargs,
-    ) -> BaseModelOutputWithPooling:
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                output_attentions=None, output_hidden_states=None, **kwargs) -> BaseModelOutputWithPooling:
         """input_ids, attention_mask, token_type_ids, position_ids: (b, s); inputs_embeds: (b, s, H).
         Returns last_hidden_state (b, s, H), pooler_output (b, H) and, when asked, hidden_states
         (num_layers + 1) x (b, s, H) and attentions num_layers x (b, h, s, s)."""
@@ -865,26 +845,8 @@ class BertImplModel(BertImplPreTrainedModel):
 
 
 # ----------------------------------------------------------------------------------------------
-# The heads. Output flags (output_attentions, output_hidden_states, return_dict) travel in **kwargs
-# to the encoder, as in transformers v5; `return_dict=False` gives the output's tuple.
-
-
-def _mlm_logits_and_loss(model, sequence_output, labels, num_items_in_batch):
-    """The MLM head and `masked_lm_loss` for (b, s, H) states and (b, s) labels. With
-    `config.sparse_prediction` the head runs only on the n labelled positions (item 7) and the logits
-    are (n, V); the loss is the same number either way, since unlabelled positions add 0."""
-    if tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
-        raise ValueError(
-            f"labels have shape {tuple(labels.shape)} but the input has shape {tuple(sequence_output.shape[:-1])}; "
-            "pass one label per token (-100 where there is nothing to predict)"
-        )
-    if model.config.sparse_prediction and not torch.compiler.is_compiling():
-        labels = labels.reshape(-1)  # (b*s,)
-        keep = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
-        sequence_output = sequence_output.reshape(-1, sequence_output.size(-1)).index_select(0, keep)  # (n, H)
-        labels = labels.index_select(0, keep)  # (n,)
-    logits = model.lm_head(sequence_output)  # (b, s, V) or (n, V)
-    return logits, masked_lm_loss(logits, labels, num_items_in_batch)
+# The heads, in transformers v5's shape: output flags (output_attentions, output_hidden_states,
+# return_dict) travel in **kwargs to the encoder; `return_dict=False` gives the output's tuple.
 
 
 @dataclass
@@ -898,11 +860,40 @@ class BertImplForPreTrainingOutput(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-class BertImplForMaskedLM(BertImplPreTrainedModel):
-    """Encoder + MLM head; the decoder weight is tied to the word embeddings."""
+class _BertImplMLMHeadModel(BertImplPreTrainedModel):
+    """What the two masked-LM heads share: the tied decoder, `num_items_in_batch`, sparse prediction."""
 
     _tied_weights_keys = {"lm_head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
     accepts_loss_kwargs = True  # takes num_items_in_batch (see `masked_lm_loss`)
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head.decoder = new_embeddings
+
+    def _mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch):
+        """The MLM head and `masked_lm_loss` for (b, s, H) states and (b, s) labels. With
+        `config.sparse_prediction` the head runs on the n labelled positions only (item 7): logits
+        (n, V), the same loss (unlabelled positions add 0)."""
+        if labels is None:
+            return self.lm_head(sequence_output), None  # (b, s, V)
+        if tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
+            raise ValueError(
+                f"labels have shape {tuple(labels.shape)} but the input has shape {tuple(sequence_output.shape[:-1])}; "
+                "pass one label per token (-100 where there is nothing to predict)"
+            )
+        if self.config.sparse_prediction and not torch.compiler.is_compiling():
+            labels = labels.reshape(-1)  # (b*s,)
+            keep = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
+            sequence_output = sequence_output.reshape(-1, sequence_output.size(-1)).index_select(0, keep)  # (n, H)
+            labels = labels.index_select(0, keep)  # (n,)
+        logits = self.lm_head(sequence_output)  # (b, s, V) or (n, V)
+        return logits, masked_lm_loss(logits, labels, num_items_in_batch)
+
+
+class BertImplForMaskedLM(_BertImplMLMHeadModel):
+    """Encoder + MLM head; the decoder weight is tied to the word embeddings."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
@@ -910,29 +901,17 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
         self.lm_head = BertImplLMHead(config)
         self.post_init()
 
-    def get_output_embeddings(self):
-        return self.lm_head.decoder
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head.decoder = new_embeddings
-
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, num_items_in_batch=None, **kwargs) -> MaskedLMOutput:
         """labels: (b, s), a token id at masked positions and -100 elsewhere. logits: (b, s, V)."""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs)
-        if labels is None:
-            logits, loss = self.lm_head(out.last_hidden_state), None  # (b, s, V)
-        else:
-            logits, loss = _mlm_logits_and_loss(self, out.last_hidden_state, labels, num_items_in_batch)
+        logits, loss = self._mlm_logits_and_loss(out.last_hidden_state, labels, num_items_in_batch)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-class BertImplForPreTraining(BertImplPreTrainedModel):
+class BertImplForPreTraining(_BertImplMLMHeadModel):
     """Encoder + MLM head + next-sentence head, BERT's pretraining objective: L = L_MLM + L_NSP."""
-
-    _tied_weights_keys = {"lm_head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
-    accepts_loss_kwargs = True
 
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
@@ -940,12 +919,6 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
         self.lm_head = BertImplLMHead(config)
         self.nsp_head = nn.Linear(config.hidden_size, 2)
         self.post_init()
-
-    def get_output_embeddings(self):
-        return self.lm_head.decoder
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head.decoder = new_embeddings
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -955,15 +928,13 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
         accumulation the NSP mean of each micro-batch is weighted by its share of the masked tokens."""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs)
         nsp_logits = self.nsp_head(out.pooler_output)  # (b, 2)
-        loss = None
-        if labels is None or next_sentence_label is None:
-            prediction_logits = self.lm_head(out.last_hidden_state)  # (b, s, V)
-        else:
-            prediction_logits, mlm = _mlm_logits_and_loss(self, out.last_hidden_state, labels, num_items_in_batch)
+        both = labels is not None and next_sentence_label is not None
+        prediction_logits, loss = self._mlm_logits_and_loss(out.last_hidden_state, labels if both else None, num_items_in_batch)
+        if both:
             nsp = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
             if num_items_in_batch is not None:
                 nsp = nsp * labels.ne(IGNORE_INDEX).sum() / num_items_in_batch
-            loss = mlm + nsp
+            loss = loss + nsp
         return BertImplForPreTrainingOutput(
             loss=loss, prediction_logits=prediction_logits, seq_relationship_logits=nsp_logits,
             hidden_states=out.hidden_states, attentions=out.attentions,
@@ -1039,8 +1010,8 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
 
 
 class BertImplForQuestionAnswering(BertImplPreTrainedModel):
-    """Encoder + span head: start and end logits per token (extractive QA, SQuAD-style). Answer
-    positions outside the input (truncated away) are ignored by the loss."""
+    """Encoder + span head: start and end logits per token (extractive QA); answer positions outside
+    the input (truncated away) are ignored by the loss."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
@@ -1077,8 +1048,8 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, **kwargs) -> MultipleChoiceModelOutput:
         num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        flat = [t.flatten(0, 1) if t is not None else None for t in (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)]  # (b*c, s[, H])
-        out = self.bert(*flat, return_dict=True, **kwargs)
+        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        out = self.bert(*(t.flatten(0, 1) if t is not None else None for t in inputs), return_dict=True, **kwargs)  # (b*c, s[, H])
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (b, c)
         loss = F.cross_entropy(logits, labels.view(-1)) if labels is not None else None
         return MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
