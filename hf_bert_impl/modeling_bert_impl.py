@@ -7,22 +7,16 @@ pooler, MLM and NSP); [3] transformers' models/bert/modeling_bert.py (the numeri
 models/modernbert/modular_modernbert.py (short names, unpadding, sparse prediction).
 
 How it differs from transformers' BERT:
-  1. Positions default to the fixed sinusoidal encoding of [1] (not stored, any length); "learned"
-     gives BERT's trained table and transformers' numbers.
+  1. Positions default to the fixed sinusoidal encoding of [1] (not stored, any length); "learned" = BERT's table.
   2. Q, K and V come from one fused projection `Wqkv` = [W^Q; W^K; W^V].
   3. The MLM loss divides by `num_items_in_batch` when Trainer passes it (accumulation = one large batch).
   4. `output_attentions=True` returns real probabilities under every backend (that call runs eager).
   5. Bad inputs raise a ValueError naming the value, not an IndexError deep inside torch.
-  6. Unpadding: the layers run on the T real tokens only, attention per sequence (flash-attention
-     varlen, or a compact grid of the sequences); packed rows (DataCollatorWithFlattening, position_ids
-     restarting at 0) too. Padding positions of the outputs hold zeros. `config.unpad_inputs=False`,
-     output_attentions, flex_attention and torch.compile run the padded batch.
-  7. `config.sparse_prediction` (training): with labels the MLM head runs on the labelled positions
-     only and `logits` is (n_labelled, V), row i for `labels[labels != -100][i]`.
-  8. CPU float32 / bfloat16 linear layers may run on oneDNN instead of torch's BLAS: by CPU vendor
-     (`config.onednn_linear="auto"`: oneDNN on AMD, where MKL is slow) or forced with True / False.
-  9. `save_pretrained` is all or nothing; `from_pretrained` refuses pickled-only weights, corrupt
-     safetensors and checkpoints that lack encoder weights.
+  6. Unpadding: padded and packed (DataCollatorWithFlattening) batches run the layers on their real
+     tokens only, attention per sequence (`TokenMap`); padding positions of the outputs hold zeros.
+  7. `config.sparse_prediction` (training): the MLM head runs on the labelled positions only.
+  8. CPU float32 / bfloat16 linear layers may run on oneDNN instead of torch's BLAS (`BertImplLinear`).
+  9. `save_pretrained` is all or nothing; `from_pretrained` refuses pickled-only, corrupt or incomplete checkpoints.
 
 Shape legend: b batch, s sequence, T real tokens, n sequences, m longest sequence, h heads,
 d head dim (d_k), H hidden (= h * d), V vocabulary, c choices.
@@ -367,9 +361,9 @@ class TokenMap:
 
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states in the layers' layout -> (b, s, H), zeros at padding."""
+        if self.indices is None:  # every position ran: x is (b, s, H) already
+            return x
         b, s = self.batch_shape
-        if self.indices is None:
-            return x.view(b, s, -1)
         x = x.reshape(-1, x.size(-1))  # (T, H)
         return x.new_zeros(b * s, x.size(-1)).index_copy(0, self.indices, x).view(b, s, -1)
 
@@ -435,10 +429,9 @@ class BertImplSelfAttention(nn.Module):
             self, q, k, v, tokens.mask, scaling=self.scaling, dropout=self.attention_dropout if self.training else 0.0,
             **tokens.attention_kwargs, **kwargs,
         )  # out: (n, m, h, d)
-        out = out.reshape(n * m, h * d)  # (n*m, H)
-        if tokens.grid_index is not None:
-            out = out.index_select(0, tokens.grid_index)  # (T, H)
-        return self.Wo(out.view(hidden_states.shape)), probs  # like hidden_states
+        if tokens.grid_index is not None:  # from the grid's slots back to the real tokens
+            out = out.reshape(n * m, h * d).index_select(0, tokens.grid_index)  # (T, H)
+        return self.Wo(out.reshape(hidden_states.shape)), probs  # like hidden_states
 
 
 class BertImplMLP(nn.Module):
@@ -790,23 +783,23 @@ class BertImplModel(BertImplPreTrainedModel):
         return TokenMap.from_packed(s, starts, dtype, flash) if starts.numel() > 1 else None
 
     def _padded_token_map(self, attention_mask, embeddings, output_attentions, position_ids) -> TokenMap:
-        """The padded batch as a token map: the grid is the batch; the mask in the format the backend wants."""
+        """The padded batch as its own grid, with the mask in the format the backend wants (None when
+        there is nothing to mask: SDPA / flash take their fastest path)."""
         b, s = embeddings.shape[:2]
-        impl = self.config._attn_implementation
+        impl, compiling, mask, kwargs = self.config._attn_implementation, torch.compiler.is_compiling(), None, {}
         if attention_mask is None and position_ids is not None and position_ids.size(0) == 1 and s > 1:
-            # Possibly a packed row (DataCollatorWithFlattening): keep attention inside each sequence.
-            # flash finds the sequences in position_ids itself; the others get a block-diagonal mask.
+            # Possibly a packed row (DataCollatorWithFlattening): attention stays inside each sequence;
+            # flash finds the sequences in position_ids itself, the others get a block-diagonal mask.
             if _is_flash(impl) and not output_attentions:
-                return TokenMap((b, s), (b, s), attention_kwargs={"position_ids": position_ids})
-            if not torch.compiler.is_compiling() and _sequence_starts(position_ids).numel() == 1:
-                return TokenMap((b, s), (b, s))  # one sequence: nothing to separate
-            return TokenMap((b, s), (b, s), _block_diagonal_mask(position_ids, embeddings.dtype))
-        if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
-            return TokenMap((b, s), (b, s))  # nothing to mask: lets SDPA / flash take their fastest path
-        if output_attentions or impl in ("eager", "sdpa"):
-            return TokenMap((b, s), (b, s), _additive_padding_mask(attention_mask, embeddings.dtype))
-        # flash_attention_2 takes the 2-D mask (and unpads), flex_attention a BlockMask.
-        return TokenMap((b, s), (b, s), _bidirectional_mask(self.config, embeddings, attention_mask))
+                kwargs = {"position_ids": position_ids}
+            elif compiling or _sequence_starts(position_ids).numel() > 1:
+                mask = _block_diagonal_mask(position_ids, embeddings.dtype)
+        elif attention_mask is not None and (compiling or not bool(attention_mask.all())):
+            if output_attentions or impl in ("eager", "sdpa"):
+                mask = _additive_padding_mask(attention_mask, embeddings.dtype)
+            else:  # flash_attention_2 takes the 2-D mask (and unpads), flex_attention a BlockMask
+                mask = _bidirectional_mask(self.config, embeddings, attention_mask)
+        return TokenMap((b, s), (b, s), mask, attention_kwargs=kwargs)
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
