@@ -13,6 +13,7 @@ import torch.nn as nn
 from hf_bert_impl import BertImplForMaskedLM
 from hf_bert_impl.modeling_bert_impl import (
     BertImplSelfAttention,
+    TokenMap,
     eager_attention_forward,
     masked_lm_loss,
     sinusoidal_position_encoding,
@@ -109,10 +110,15 @@ def test_multihead_matches_seed_reference(debug_config, batch, backend):
     _, attention_mask, _ = batch
     x = torch.randn(attention_mask.shape[0], attention_mask.shape[1], config.hidden_size)
     mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    b, s = attention_mask.shape
     with torch.no_grad():
-        got, _ = ours(x, mask)
+        got, _ = ours(x, TokenMap((b, s), (b, s), mask))  # the padded batch: the grid is the batch
         want = seed(x, mask)
+        # the real tokens only (1, T, H), attention on a compact grid of the sequences
+        real = TokenMap.from_padding_mask(attention_mask, x.dtype, flash=False)
+        got_real, _ = ours(real.gather(x), real)
     assert (got - want).abs().max().item() <= 1e-5
+    assert (real.scatter(got_real) - want)[attention_mask.bool()].abs().max().item() <= 1e-5
 
 
 def test_mlm_loss_matches_hand_computation(debug_config):
@@ -140,3 +146,32 @@ def test_mlm_loss_matches_hand_computation(debug_config):
     # No masked position: a finite zero, not NaN.
     none_masked = masked_lm_loss(out.logits, torch.full_like(labels, -100))
     assert none_masked.item() == 0.0
+
+
+def test_pretraining_loss_matches_hand_computation(debug_config):
+    """L = L_MLM + L_NSP. Under gradient accumulation (num_items_in_batch = N masked tokens over all
+    micro-batches) the MLM sum is divided by N and the NSP mean is weighted by this micro-batch's share
+    n / N of the masked tokens, so the micro-batch losses add up to N-weighted terms."""
+    from hf_bert_impl import BertImplForPreTraining
+
+    config = debug_config()
+    torch.manual_seed(0)
+    model = BertImplForPreTraining(config).eval()
+    input_ids = torch.randint(1, config.vocab_size, (3, 7))
+    labels = torch.full_like(input_ids, -100)
+    masked = [(0, 1), (1, 3), (2, 5), (2, 0)]
+    for i, j in masked:
+        labels[i, j] = int(input_ids[i, j])
+    nsp_labels = torch.tensor([0, 1, 1])
+    with torch.no_grad():
+        out = model(input_ids, labels=labels, next_sentence_label=nsp_labels)
+        out_items = model(input_ids, labels=labels, next_sentence_label=nsp_labels, num_items_in_batch=torch.tensor(10))
+
+    def nll(row, target):  # -log softmax(row)[target], Python floats
+        return -(row[target] - math.log(sum(math.exp(z) for z in row)))
+
+    logits, nsp_logits = out.prediction_logits.double(), out.seq_relationship_logits.double()
+    mlm_sum = sum(nll(logits[i, j].tolist(), int(labels[i, j])) for i, j in masked)
+    nsp_mean = sum(nll(nsp_logits[i].tolist(), int(nsp_labels[i])) for i in range(3)) / 3
+    assert abs(out.loss.item() - (mlm_sum / len(masked) + nsp_mean)) <= 1e-5
+    assert abs(out_items.loss.item() - (mlm_sum / 10 + nsp_mean * len(masked) / 10)) <= 1e-5

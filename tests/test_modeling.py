@@ -219,19 +219,30 @@ def test_fully_padded_row_is_finite(debug_config, batch, backend, dtype):
     assert all(torch.isfinite(a).all() for a in out.attentions)
 
 
-@pytest.mark.parametrize("backend", ["sdpa"] + (["flex_attention"] if "flex_attention" in _backends() else []))
+@pytest.mark.parametrize("backend", _backends())
 def test_output_attentions_are_real_probabilities_under_every_backend(debug_config, batch, backend):
+    """Our attention probabilities against an independent implementation: transformers' own BertModel
+    (eager) holding the same weights (hf_bert_impl.convert.to_hf_bert), on a padded batch."""
+    from hf_bert_impl.convert import to_hf_bert
+
     torch.manual_seed(0)
     base = BertImplModel(debug_config()).eval()
-    input_ids, attention_mask, _ = batch
+    with torch.no_grad():  # non-trivial biases, so a swapped Q/K/V split or a missing bias shows
+        for layer in base.layers:
+            layer.attn.Wqkv.bias.normal_(std=0.5)
+    hf = to_hf_bert(base)
+    hf.set_attn_implementation("eager")
+    input_ids, attention_mask, token_type_ids = batch
+    kwargs = dict(attention_mask=attention_mask, token_type_ids=token_type_ids, output_attentions=True)
     with torch.no_grad():
-        want = _with_backend(base, "eager")(input_ids, attention_mask=attention_mask, output_attentions=True)
-        got = _with_backend(base, backend)(input_ids, attention_mask=attention_mask, output_attentions=True)
-    assert len(got.attentions) == base.config.num_hidden_layers
+        got = _with_backend(base, backend)(input_ids, **kwargs)
+        want = hf(input_ids, **kwargs)
+    assert len(got.attentions) == base.config.num_hidden_layers == len(want.attentions)
     for a, b in zip(got.attentions, want.attentions):
-        assert a.shape == (13, 4, 7, 7)
+        assert a.shape == b.shape == (13, 4, 7, 7)
         torch.testing.assert_close(a.sum(-1), torch.ones(13, 4, 7), atol=1e-5, rtol=0)
-        assert (a - b).abs().max().item() <= 1e-6
+        real = attention_mask.bool()  # query rows of real tokens (padding rows differ by design)
+        assert (a - b).abs().amax(dim=(1, 3))[real].max().item() <= 1e-6
         assert a[1, :, :, 6].abs().max().item() == 0.0  # row 1 has 6 real tokens: padding key gets 0
 
 
@@ -267,6 +278,22 @@ def test_learned_positions_reject_too_long_input(debug_config):
     assert "embeddings.position_embeddings.weight" in model.state_dict()
     with pytest.raises(ValueError, match=r"position 19 .*max_position_embeddings - 1 = 15"):
         model(torch.randint(1, 99, (2, 20)))
+    # the boundary, both ways (an off-by-one in the check would pass the case above)
+    assert model(torch.randint(1, 99, (2, 16))).last_hidden_state.shape == (2, 16, 32)
+    with pytest.raises(ValueError, match=r"position 16 .*max_position_embeddings - 1 = 15"):
+        model(torch.randint(1, 99, (2, 17)))
+    with pytest.raises(ValueError, match=r"position 16 .*max_position_embeddings - 1 = 15"):
+        model(torch.randint(1, 99, (2, 5)), position_ids=torch.tensor([[0, 1, 2, 3, 16]]))
+
+
+def test_sinusoidal_positions_extend_from_the_first_missing_row(debug_config):
+    """One position past the stored table (an off-by-one in the extension would index out of range)."""
+    model = BertImplModel(debug_config(max_position_embeddings=16)).eval()
+    wide = BertImplModel(debug_config(max_position_embeddings=17)).eval()
+    wide.load_state_dict(model.state_dict())
+    ids = torch.randint(1, 99, (2, 17))
+    with torch.no_grad():
+        assert (model(ids).last_hidden_state - wide(ids).last_hidden_state).abs().max().item() <= ATOL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,6 +305,8 @@ def test_learned_positions_reject_too_long_input(debug_config):
     ("id_negative", r"input_ids contains -3, outside \[0, vocab_size=99\)"),
     ("token_type", r"token_type_ids contains 2, outside \[0, type_vocab_size=2\)"),
     ("mask_shape", r"attention_mask has shape \(13, 6\) but the input has shape \(13, 7\)"),
+    ("token_type_shape", r"token_type_ids has shape \(13, 6\) but the input has shape \(13, 7\)"),
+    ("embeds_token_type_shape", r"token_type_ids has shape \(13, 6\) but the input has shape \(13, 7\)"),
     ("both_inputs", r"exactly one of input_ids or inputs_embeds"),
     ("rank", r"input_ids must have shape \(batch, sequence\), got \(7,\)"),
 ])
@@ -293,6 +322,10 @@ def test_bad_inputs_raise_value_error(debug_config, batch, case, match):
         token_type_ids[5, 1] = 2
     elif case == "mask_shape":
         kwargs["attention_mask"] = attention_mask[:, :6]
+    elif case == "token_type_shape":
+        kwargs["token_type_ids"] = token_type_ids[:, :6]
+    elif case == "embeds_token_type_shape":  # the shape comes from inputs_embeds
+        kwargs = dict(inputs_embeds=torch.zeros(13, 7, 32), token_type_ids=token_type_ids[:, :6])
     elif case == "both_inputs":
         kwargs["inputs_embeds"] = torch.zeros(13, 7, 32)
     elif case == "rank":

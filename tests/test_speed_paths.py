@@ -28,15 +28,19 @@ def _plain(model):
 
 
 def _spy_unpadding(monkeypatch):
-    """Count how often the unpadded encoder runs, so a test cannot pass on the plain path by accident."""
+    """Record each forward that runs the layers on the real tokens only (its token map), so a test
+    cannot pass on the padded path by accident."""
     calls = []
-    original = BertImplModel._forward_unpadded
+    original = BertImplModel._token_map
 
-    def spy(self, unpad, *args, **kwargs):
-        calls.append(unpad)
-        return original(self, unpad, *args, **kwargs)
+    def spy(self, *args, **kwargs):
+        tokens = original(self, *args, **kwargs)
+        if tokens is not None:
+            assert tokens.unpadded
+            calls.append(tokens)
+        return tokens
 
-    monkeypatch.setattr(BertImplModel, "_forward_unpadded", spy)
+    monkeypatch.setattr(BertImplModel, "_token_map", spy)
     return calls
 
 
@@ -597,21 +601,27 @@ def test_compile_fullgraph_training_step(debug_config, batch, fresh_dynamo):
     assert not fresh_dynamo["graph_break"]
 
 
-def test_compile_dynamic_does_not_recompile_per_length(debug_config, fresh_dynamo, monkeypatch):
+def test_compile_dynamic_does_not_recompile_per_length(debug_config, fresh_dynamo):
     torch.manual_seed(0)
     model = BertImplModel(debug_config()).eval()
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
     g = torch.Generator().manual_seed(0)
+
+    def check(b, s):
+        ids = torch.randint(1, VOCAB, (b, s), generator=g)
+        mask = torch.ones(b, s, dtype=torch.long)
+        mask[0, s - 2 :] = 0
+        got = compiled(ids, attention_mask=mask).last_hidden_state
+        want = model(ids, attention_mask=mask).last_hidden_state
+        assert _max_diff_real(got, want, mask) <= ATOL
+
     with torch.no_grad():
-        for i, (b, s) in enumerate([(3, 5), (4, 9), (2, 12), (5, 3)]):
-            ids = torch.randint(1, VOCAB, (b, s), generator=g)
-            mask = torch.ones(b, s, dtype=torch.long)
-            mask[0, s - 2 :] = 0
-            got = compiled(ids, attention_mask=mask).last_hidden_state
-            want = model(ids, attention_mask=mask).last_hidden_state
-            assert _max_diff_real(got, want, mask) <= ATOL
-            if i == 0:  # any later compile is a recompile: make it an error
-                monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        check(3, 5)
+        # Any later compile is a recompile: make it an error. config.patch restores the option on
+        # exit (monkeypatch's undo would delete it, and later compiles in this process would fail).
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for b, s in [(4, 9), (2, 12), (5, 3)]:
+                check(b, s)
     assert fresh_dynamo["stats"]["unique_graphs"] == 1
 
 
