@@ -157,13 +157,15 @@ def real_tokens(t, inputs):
 
 def spy_unpadding(monkeypatch):
     calls = []
-    original = BertImplModel._forward_unpadded
+    original = BertImplModel._token_map
 
-    def spy(self, unpad, *args, **kwargs):
-        calls.append(unpad)
-        return original(self, unpad, *args, **kwargs)
+    def spy(self, *args, **kwargs):
+        tokens = original(self, *args, **kwargs)
+        if tokens is not None:  # the layers run on the real tokens only
+            calls.append(tokens)
+        return tokens
 
-    monkeypatch.setattr(BertImplModel, "_forward_unpadded", spy)
+    monkeypatch.setattr(BertImplModel, "_token_map", spy)
     return calls
 
 
