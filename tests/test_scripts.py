@@ -2,7 +2,7 @@
 pairs, regression, token classification, early stopping), demo_reload.py, and bad input files that
 must stop before any training with a one-line message and a non-zero exit.
 
-The scripts run in this process through their `main(argv)` / `D.run_cli(main)` (an interpreter start costs
+The scripts run in this process through their `main(argv)` / `cli.run_cli(main)` (an interpreter start costs
 seconds on this machine); one test per script runs the real command line in a subprocess."""
 
 import importlib.util
@@ -352,7 +352,7 @@ def test_bad_train_file_stops_before_training_with_one_line(script_name, files, 
         if script_name == "finetune":
             argv += ["--model_name_or_path", str(files / "mlm")]
         monkeypatch.setattr(sys, "argv", [f"{script_name}.py", *argv])
-        code = script.D.run_cli(script.main)
+        code = script.cli.run_cli(script.main)
         err = capsys.readouterr().err.strip()
         assert code == 2
         assert len(err.splitlines()) == 1, repr(err)
