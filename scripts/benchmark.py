@@ -72,17 +72,17 @@ from hf_bert_impl.modeling_bert_impl import _ONEDNN_LINEAR as ONEDNN_LINEAR
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WORKLOADS = ("fixed", "mixed", "mlm", "mlm_dense")
-# The issue's targets (bert-base, seq 128, batch 8, fp32, CPU): ours / transformers sdpa.
+# Targets (bert-base, seq 128, batch 8, fp32, CPU): ours / transformers sdpa.
 # mlm: ours with sparse_prediction=True (as scripts/pretrain_mlm.py trains); mlm_dense: the default
 # config (sparse_prediction=False, full (b, s, V) logits, as transformers).
 TARGETS = {"fixed": ("tokens/s", 1.05), "mixed": ("real tokens/s", 1.6), "mlm": ("tokens/s", 1.3),
            "mlm_dense": ("tokens/s", 1.0), "mlm_memory": ("peak memory", 1.0)}
-# bf16 targets (issue 11): fixed >= 1.3x with MFU >= 60% of the bf16 matmul peak, mixed >= 2.5x, MLM >= 1.5x.
+# bf16 targets: fixed >= 1.3x with MFU >= 60% of the bf16 matmul peak, mixed >= 2.5x, MLM >= 1.5x.
 TARGETS_BF16 = {"fixed": ("tokens/s", 1.3), "mixed": ("real tokens/s", 2.5), "mlm": ("tokens/s", 1.5),
                 "mlm_dense": ("tokens/s", 1.0)}
 # against onnxruntime (fp32): ours / ORT running transformers' exported BERT.
 TARGETS_ORT = {"fixed": ("tokens/s", 1.0), "mixed": ("real tokens/s", 2.0)}
-# GPU targets (issue 14; bf16 on an H200): fixed >= 1.1x, mixed >= 2x, MLM >= 1.3x vs transformers' sdpa.
+# GPU targets (bf16 on an H200): fixed >= 1.1x, mixed >= 2x, MLM >= 1.3x vs transformers' sdpa.
 TARGETS_CUDA = {"fixed": ("tokens/s", 1.1), "mixed": ("real tokens/s", 2.0), "mlm": ("tokens/s", 1.3),
                 "mlm_dense": ("tokens/s", 1.0)}
 

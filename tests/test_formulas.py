@@ -1,6 +1,6 @@
 """Each formula of the seed against an independent evaluation of the formula itself.
 
-Tolerances (design.md): float32 results within 1e-5 absolute of a float64 reference on unit-scale
+Tolerances (docs/formulas.md): float32 results within 1e-5 absolute of a float64 reference on unit-scale
 activations; the positional encoding within 1e-6.
 """
 
@@ -62,8 +62,8 @@ def test_eager_attention_matches_float64_reference():
 
 
 class SeedMultiHeadAttention(nn.Module):
-    """The seed article's `MultiHeadAttention` (shared/seeds/000_93a17e394f50fe2b.txt), verbatim but
-    for an optional additive padding mask: separate W_q, W_k, W_v, W_o maps of d_model, split into h
+    """A textbook `MultiHeadAttention` after Vaswani et al. (2017), section 3.2.2, as the article this
+    project follows writes it, with an optional additive padding mask: separate W_q, W_k, W_v, W_o maps of d_model, split into h
     heads, scaled scores, softmax, concat, W_o."""
 
     def __init__(self, d_model=512, h=8):

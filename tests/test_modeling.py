@@ -19,7 +19,7 @@ from hf_bert_impl import (
     BertImplModel,
 )
 
-ATOL = 1e-5  # float32, unit-scale activations (design.md)
+ATOL = 1e-5  # float32, unit-scale activations (docs/formulas.md, tolerances)
 
 
 # ---------------------------------------------------------------------------------------------

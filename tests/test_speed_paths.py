@@ -16,7 +16,7 @@ from transformers import AttentionInterface, DataCollatorWithFlattening
 from hf_bert_impl import BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
 from hf_bert_impl import modeling_bert_impl as mb
 
-ATOL = 1e-5  # float32, unit-scale activations (design.md)
+ATOL = 1e-5  # float32, unit-scale activations (docs/formulas.md, tolerances)
 VOCAB = 99
 
 
