@@ -42,12 +42,28 @@ def parse_script_arguments(dataclass_types, argv, logger):
 def run_cli(main) -> int:
     """Run a script's `main()`; a UsageError (bad file, bad option) becomes one line on stderr and exit
     status 2, as argparse does, instead of a traceback."""
+    finished = False
     try:
         main()
+        finished = True
     except UsageError as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        _close_process_group(wait=finished)  # a failed rank must not wait for the others forever
     return 0
+
+
+def _close_process_group(wait: bool) -> None:
+    """Under `accelerate launch` / torchrun: leave together, then tear the process group down before
+    the interpreter exits (left to the destructors at exit, gloo's threads can abort a process with
+    "terminate called without an active exception" after the run itself has finished)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def resolve_resume_argument(training_args) -> str | None:
