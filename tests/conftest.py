@@ -20,6 +20,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB, BATCH, SEQ = 99, 13, 7
 
 
+class ListDataset(torch.utils.data.Dataset):
+    """A list of feature dicts as a map-style dataset for Trainer (no `datasets` needed)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
 @pytest.fixture
 def debug_config():
     """A factory: debug_config(**overrides) -> BertImplConfig of the debug flavour, dropout off."""

@@ -42,6 +42,8 @@ from transformers.utils import is_flash_attn_2_available
 from hf_bert_impl import SIZE_PRESETS, BertImplModel
 from hf_bert_impl.convert import ARCHITECTURES, convert_hf_state_dict, from_hf_bert
 
+from .conftest import ListDataset
+
 DEVICE_ENV = "HF_BERT_IMPL_TEST_DEVICE"
 
 
@@ -451,17 +453,6 @@ def test_gradient_checkpointing_matches_transformers(layout, monkeypatch):
 # Trainer with bf16
 
 
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-
 def test_trainer_bf16_losses_match_transformers(tmp_path):
     """Four Trainer runs from the same weights on the same batches: transformers and ours, float32 and
     --bf16 (autocast). float32: per-step losses agree within 1e-4 (tests/test_training.py's bound).
@@ -483,7 +474,7 @@ def test_trainer_bf16_losses_match_transformers(tmp_path):
                 logging_steps=1, report_to="none", save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
                 dataloader_num_workers=0,
             )
-            trainer = Trainer(model=model, args=args, train_dataset=_Rows(rows), data_collator=default_data_collator)
+            trainer = Trainer(model=model, args=args, train_dataset=ListDataset(rows), data_collator=default_data_collator)
             trainer.train()
             assert next(model.parameters()).device.type == DEVICE.type
             losses[tag, bf16] = [h["loss"] for h in trainer.state.log_history if "loss" in h]

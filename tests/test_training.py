@@ -19,6 +19,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, default_da
 from hf_bert_impl import BertImplForMaskedLM
 from hf_bert_impl.data import IGNORE_INDEX, default_corpus_dataset, train_wordpiece_tokenizer
 
+from .conftest import ListDataset
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 99, 7
 
@@ -52,17 +54,6 @@ def mlm_rows(n: int, seed: int = 0, learnable: bool = False):
     return [
         {"input_ids": input_ids[i], "attention_mask": attention_mask[i], "labels": labels[i]} for i in range(n)
     ]
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
 
 
 def train(model, rows, tmp_path, **kw):
