@@ -426,20 +426,29 @@ def mask_once(dataset, tokenizer, seed: int, mlm_probability: float = 0.15, whol
 DATA_FILE_TYPES = {".txt": "text", ".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
+def _data_file_kind(files, flag: str, path) -> str:
+    """The `datasets` builder ("text", "json", ...) for local `files` given as `flag path`; a UsageError
+    naming them when one is missing, the extension is unknown (or differs between files), or all are empty."""
+    if not files or not all(Path(f).is_file() for f in files):
+        raise UsageError(f"{flag} {path}: no such file")
+    kinds = {DATA_FILE_TYPES.get(Path(f).suffix.lower()) for f in files}
+    if len(files) == 1 and None in kinds:
+        raise UsageError(f"{flag} {path}: unknown extension {Path(files[0]).suffix!r}; use one of {sorted(DATA_FILE_TYPES)}")
+    if None in kinds or len(kinds) != 1:
+        raise UsageError(f"{flag} {path}: files must share one extension of {sorted(DATA_FILE_TYPES)}")
+    if all(Path(f).stat().st_size == 0 for f in files):
+        raise UsageError(f"{flag} {path}: the file is empty")
+    return kinds.pop()
+
+
 def stream_data_file(path, flag: str = "--train_file") -> datasets.IterableDataset:
     """A local text / json lines / csv / parquet file (or a glob of them) as a streamed `IterableDataset`:
     rows are read as training consumes them, so the file may be larger than memory."""
     import glob
 
     matches = sorted(glob.glob(str(path))) if any(c in str(path) for c in "*?[") else [str(path)]
-    if not matches or not all(Path(m).is_file() for m in matches):
-        raise UsageError(f"{flag} {path}: no such file")
-    kinds = {DATA_FILE_TYPES.get(Path(m).suffix.lower()) for m in matches}
-    if None in kinds or len(kinds) != 1:
-        raise UsageError(f"{flag} {path}: files must share one extension of {sorted(DATA_FILE_TYPES)}")
-    if all(Path(m).stat().st_size == 0 for m in matches):
-        raise UsageError(f"{flag} {path}: the file is empty")
-    return datasets.load_dataset(kinds.pop(), data_files={"train": matches}, split="train", streaming=True)
+    kind = _data_file_kind(matches, flag, path)
+    return datasets.load_dataset(kind, data_files={"train": matches}, split="train", streaming=True)
 
 
 def load_data_files(train_file=None, validation_file=None, test_file=None) -> datasets.DatasetDict:
@@ -449,13 +458,7 @@ def load_data_files(train_file=None, validation_file=None, test_file=None) -> da
     loaded = {}
     for split, path in files.items():
         p = Path(path)
-        if not p.is_file():
-            raise UsageError(f"--{split}_file {path}: no such file")
-        kind = DATA_FILE_TYPES.get(p.suffix.lower())
-        if kind is None:
-            raise UsageError(f"--{split}_file {path}: unknown extension {p.suffix!r}; use one of {sorted(DATA_FILE_TYPES)}")
-        if p.stat().st_size == 0:
-            raise UsageError(f"--{split}_file {path}: the file is empty")
+        kind = _data_file_kind([p], f"--{split}_file", path)
         # A local file converts in a blink; its progress bar would only clutter an error message.
         bars_were_on = datasets.utils.logging.is_progress_bar_enabled()
         datasets.disable_progress_bars()
