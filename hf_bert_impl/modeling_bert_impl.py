@@ -565,14 +565,14 @@ def _device_assert(condition: torch.Tensor, message: str) -> None:
 def _check_range(t: torch.Tensor, low: int | None, high: int | None, message: str, device_message: str) -> None:
     """ValueError(message.format(the bad value)) unless low <= t < high (None: no bound); on an
     accelerator an asynchronous device assert naming `device_message`."""
-    too_low, too_high = low is not None, high is not None  # which bounds apply
+    has_low, has_high = low is not None, high is not None  # which bounds apply
     if not _values_on_host(t):
-        inside = (t >= low if too_low else True) & (t < high if too_high else True)
+        inside = (t >= low if has_low else True) & (t < high if has_high else True)
         _device_assert(inside.all(), device_message)
         return
     lo, hi = int(t.min()), int(t.max())
-    if too_low and lo < low or too_high and hi >= high:
-        raise ValueError(message.format(lo if too_low and lo < low else hi))
+    if has_low and lo < low or has_high and hi >= high:
+        raise ValueError(message.format(lo if has_low and lo < low else hi))
 
 
 class BertImplPreTrainedModel(PreTrainedModel):
