@@ -18,7 +18,7 @@ from typing import NamedTuple
 import transformers
 from transformers import PretrainedConfig
 
-# The oldest transformers the two Hub files run on (4.57 is the last v4 line). Checked at import.
+# The oldest transformers the Hub files run on (4.57 is the last v4 line). Checked at import.
 MIN_TRANSFORMERS = (4, 57, 0)
 
 

@@ -5,7 +5,7 @@
   (keys: task, dataset, base_model, hyperparameters, metrics, loss_curve). A fact that is absent is
   rendered as "not recorded"; nothing is invented.
 - `build_upload_folder(model_dir, repo_id, out)` writes exactly what `push_model_dir` uploads: the
-  weights (safetensors only), `config.json` with `auto_map` for every head, the two code files,
+  weights (safetensors only), `config.json` with `auto_map` for every head, the code files,
   the tokenizer, the loss-curve image and the card.
 - `push_model_dir(...)` checks everything a user can get wrong (repo id, files, token) before the
   first byte goes out, then uploads that folder with `huggingface_hub`.
@@ -38,7 +38,7 @@ TEMPLATE_PATH = next(
                  Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md") if p.is_file()),
     Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md",
 )
-CODE_FILES = ("configuration_bert_impl.py", "modeling_bert_impl.py")
+CODE_FILES = ("checkpoint_bert_impl.py", "configuration_bert_impl.py", "modeling_bert_impl.py")  # the Hub files
 # Tokenizer files copied verbatim when present: a fast tokenizer (tokenizer.json) or a WordPiece
 # vocabulary (vocab.txt) is required, the rest describes special tokens and the tokenizer class.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json",

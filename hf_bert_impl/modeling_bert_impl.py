@@ -16,22 +16,16 @@ How it differs from transformers' BERT:
      tokens only, attention per sequence (`TokenMap`); padding positions of the outputs hold zeros.
   7. `config.sparse_prediction` (training): the MLM head runs on the labelled positions only.
   8. CPU float32 / bfloat16 linear layers may run on oneDNN instead of torch's BLAS (`BertImplLinear`).
-  9. `save_pretrained` is all or nothing; `from_pretrained` refuses pickled-only, corrupt or incomplete checkpoints.
+  9. `save_pretrained` is all or nothing; `from_pretrained` refuses pickled-only, corrupt or incomplete
+     checkpoints (`CheckpointSafetyMixin` of checkpoint_bert_impl.py).
 
 Shape legend: b batch, s sequence, T real tokens, n sequences, m longest sequence, h heads,
 d head dim (d_k), H hidden (= h * d), V vocabulary, c choices.
 
-Remote code: imports only torch, transformers and `.configuration_bert_impl`; runs on transformers
-4.57.x and 5.x (the shims below).
+Remote code: imports only torch, transformers, `.configuration_bert_impl` and `.checkpoint_bert_impl`
+(item 9); runs on transformers 4.57.x and 5.x (the shims below).
 """
 
-import ctypes
-import os
-import re
-import shutil
-import socket
-import sys
-import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_bert_impl import BertImplConfig  # first: it refuses a too-old transformers with one clear error
+from .checkpoint_bert_impl import CheckpointSafetyMixin  # all-or-nothing save_pretrained, refusing from_pretrained
 
 from transformers import PreTrainedModel
 from transformers import masking_utils
@@ -49,7 +44,8 @@ from transformers.modeling_outputs import (
     QuestionAnsweringModelOutput, SequenceClassifierOutput, TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
+from transformers.utils import can_return_tuple
 
 IGNORE_INDEX = -100
 
@@ -95,31 +91,26 @@ def _bidirectional_mask(config, embeddings: torch.Tensor, attention_mask: torch.
 # The GEMM library of CPU linear layers (item 8)
 
 
-def _find_onednn_linear():
-    """oneDNN's linear op (the GEMM torch.compile's CPU backend uses) and the dtypes in which it
-    reproduces F.linear on a probe at import, or (None, ()). The op is torch-internal: absent, renamed
-    or changed means nn.Linear's own path, which computes the same formula."""
+def _onednn_agrees(op, dtype: torch.dtype, tol: float) -> bool:
+    """Whether `op` reproduces F.linear in `dtype` on a probe (with and without bias, and on a transposed
+    weight as the backward passes it). Any error counts as no: the op is torch-internal, and a CPU
+    without native bfloat16 may lack that kernel."""
     try:
-        if not torch.backends.mkldnn.is_available():
-            return None, ()
-        op = torch.ops.mkldnn._linear_pointwise
         g = torch.Generator().manual_seed(0)
-        x, w, b, y = (torch.randn(*shape, generator=g) for shape in ((5, 8), (3, 8), (3,), (5, 3)))
-
-        def same(x, w, b=None, tol=1e-5):
-            return torch.allclose(op(x, w, b, "none", [], "").float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
-
-        if not (same(x, w, b) and same(x, w) and same(y, w.t())):  # the backward passes transposed weights
-            return None, ()
+        x, w, b, y = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 8), (3, 8), (3,), (5, 3)))
+        return all(torch.allclose(op(*args, "none", [], "").float(), F.linear(*args).float(), atol=tol, rtol=tol)
+                   for args in ((x, w, b), (x, w, None), (y, w.t(), None)))
     except Exception:  # noqa: BLE001  any failure of an internal op means: do not use it
-        return None, ()
-    try:  # a CPU without native bfloat16 may lack the bf16 kernel
-        return op, ((torch.float32, torch.bfloat16) if same(x.bfloat16(), w.bfloat16(), tol=1e-2) else (torch.float32,))
-    except Exception:  # noqa: BLE001
-        return op, (torch.float32,)
+        return False
 
 
-_ONEDNN_LINEAR, _ONEDNN_DTYPES = _find_onednn_linear()
+# oneDNN's linear op (the GEMM torch.compile's CPU backend uses) and the dtypes in which it reproduces
+# F.linear, probed once at import; absent, renamed or changed means nn.Linear's own path (the same formula).
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+_ONEDNN_DTYPES = tuple(dt for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2))
+                       if _ONEDNN_LINEAR is not None and _onednn_agrees(_ONEDNN_LINEAR, dt, tol))
+if torch.float32 not in _ONEDNN_DTYPES:
+    _ONEDNN_LINEAR, _ONEDNN_DTYPES = None, ()
 
 # "auto" by CPU vendor, as measured: on AMD EPYC MKL's fp32 GEMM takes a slow path and oneDNN is ~2x
 # faster; on Intel MKL wins, so Intel and any CPU not measured keep torch's own BLAS, as transformers does.
@@ -161,21 +152,16 @@ class _OneDNNLinearFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_2d = grad.reshape(-1, grad.size(-1))  # (N, out)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _ONEDNN_LINEAR(grad, weight.t(), None, "none", [], "")  # (..., in)
-        if ctx.needs_input_grad[1]:
-            grad_w = _ONEDNN_LINEAR(grad_2d.t(), x.reshape(-1, x.size(-1)).t(), None, "none", [], "")  # (out, in)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_2d.sum(0)
-        return grad_x, grad_w, grad_b
+        grad_2d, need = grad.reshape(-1, grad.size(-1)), ctx.needs_input_grad  # (N, out)
+        grad_x = _ONEDNN_LINEAR(grad, weight.t(), None, "none", [], "") if need[0] else None  # (..., in)
+        grad_w = _ONEDNN_LINEAR(grad_2d.t(), x.reshape(-1, x.size(-1)).t(), None, "none", [], "") if need[1] else None  # (out, in)
+        return grad_x, grad_w, grad_2d.sum(0) if ctx.has_bias and need[2] else None
 
 
 class BertImplLinear(nn.Linear):
     """nn.Linear on oneDNN where `linear_kernel(config.onednn_linear)` says so. Per call only what can
-    change is looked at: dtype and device (a model is moved, cast, or built on meta and loaded), plain
-    tensors, autocast, graph capture (compile, tracing, export take nn.Linear's own op)."""
+    change is looked at: the dtype and device (a model is moved, cast, or built on meta and loaded), plain
+    tensors, autocast, and graph capture (compile, tracing and export take nn.Linear's own op)."""
 
     def __init__(self, config: BertImplConfig, in_features: int, out_features: int):
         super().__init__(in_features, out_features)
@@ -183,13 +169,11 @@ class BertImplLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (
-            x.dtype == w.dtype in _ONEDNN_DTYPES and w.device.type == "cpu" and x.numel() > 0
-            and type(x) is torch.Tensor and type(w) in (torch.Tensor, nn.Parameter)
-            and linear_kernel(self.config.onednn_linear) == "onednn"
-            and not (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting())
-            and not (torch.onnx.is_in_onnx_export() or torch.is_autocast_enabled("cpu"))
-        ):
+        eager = not (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
+                     or torch.onnx.is_in_onnx_export() or torch.is_autocast_enabled("cpu"))
+        if (eager and x.dtype == w.dtype in _ONEDNN_DTYPES and w.device.type == "cpu" and x.numel() > 0
+                and type(x) is torch.Tensor and type(w) in (torch.Tensor, nn.Parameter)
+                and linear_kernel(self.config.onednn_linear) == "onednn"):
             return _OneDNNLinearFunction.apply(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
@@ -245,11 +229,15 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
     Divided by the number of such positions in this batch, or by `num_items_in_batch` when the caller
     (Trainer) passes the count over all accumulated micro-batches, so that 4 accumulated batches of 2
     give exactly the update of one batch of 8. A batch with no masked position gives 0, not NaN
-    (transformers' ForMaskedLMLoss takes a mean there, NaN). logits: (..., V), labels: (...).
+    (transformers' ForMaskedLMLoss takes a mean there, NaN). logits: (..., V), labels: (...). Half-precision
+    logits are not cast: their per-token losses (as transformers' BertForMaskedLM computes them) are summed
+    in float32, which spares a float32 copy of the (N, V) logits and its backward.
     """
-    nll_sum = F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)  # (N, V), (N,)
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        nll_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none").float().sum()
+    else:
+        nll_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     if num_items_in_batch is None:
         num_items_in_batch = labels.ne(IGNORE_INDEX).sum().clamp(min=1)
     elif torch.is_tensor(num_items_in_batch):
@@ -493,67 +481,8 @@ class BertImplLMHead(nn.Module):
 # The Hugging Face machinery
 
 
-def _owner_tag() -> str:
-    """host and pid of this save, so a later save can tell a killed save's leftovers from a running one's."""
-    return f"{socket.gethostname().replace('-', '_').replace('.', '_')}-{os.getpid()}"
-
-
-def _remove_stale_staging(parent: str, name: str) -> None:
-    """Remove `.NAME.saving-*` / `.NAME.replaced-*` siblings left by a save on this host whose process is gone."""
-    host = _owner_tag().rsplit("-", 1)[0]
-    for entry in os.listdir(parent):
-        m = re.fullmatch(rf"\.{re.escape(name)}\.(saving|replaced)-(.+)-(\d+)-[0-9a-f]{{12}}", entry)
-        if not m or m.group(2) != host:
-            continue
-        try:
-            os.kill(int(m.group(3)), 0)
-            continue  # that save is still running
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        path, target = os.path.join(parent, entry), os.path.join(parent, name)
-        if m.group(1) == "replaced" and not os.path.exists(target):
-            os.rename(path, target)  # a crash between the two renames: bring the old one back
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _link_tree(src: str, dst: str) -> None:
-    """Hard-link (copy where links are not possible) a file or directory tree: no data is copied on one file system."""
-    def link(a, b):
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-
-    if os.path.islink(src):
-        os.symlink(os.readlink(src), dst)
-    elif os.path.isdir(src):
-        shutil.copytree(src, dst, symlinks=True, copy_function=link)
-    else:
-        link(src, dst)
-
-
-def _exchange_directories(a: str, b: str) -> bool:
-    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    if renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
-        return True
-    err = ctypes.get_errno()
-    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this file system cannot exchange
-        return False
-    raise OSError(err, os.strerror(err), b)
-
-
 def _values_on_host(t: torch.Tensor) -> bool:
-    """Whether an input check may read `t`'s values on the host: on the CPU; on an accelerator that
-    would synchronise with the device on every forward."""
+    """Whether an input check may read `t`'s values: on the CPU; on an accelerator it would sync per forward."""
     return t.device.type == "cpu"
 
 
@@ -567,15 +496,14 @@ def _check_range(t: torch.Tensor, low: int | None, high: int | None, message: st
     accelerator an asynchronous device assert naming `device_message`."""
     has_low, has_high = low is not None, high is not None  # which bounds apply
     if not _values_on_host(t):
-        inside = (t >= low if has_low else True) & (t < high if has_high else True)
-        _device_assert(inside.all(), device_message)
+        _device_assert(((t >= low if has_low else True) & (t < high if has_high else True)).all(), device_message)
         return
     lo, hi = int(t.min()), int(t.max())
     if has_low and lo < low or has_high and hi >= high:
         raise ValueError(message.format(lo if has_low and lo < low else hi))
 
 
-class BertImplPreTrainedModel(PreTrainedModel):
+class BertImplPreTrainedModel(CheckpointSafetyMixin, PreTrainedModel):
     config_class = BertImplConfig
     config: BertImplConfig
     base_model_prefix = "bert"
@@ -585,9 +513,6 @@ class BertImplPreTrainedModel(PreTrainedModel):
     # Heads whose loss is a mean over examples let Trainer divide by the accumulation steps;
     # the masked-LM heads take `num_items_in_batch` instead.
     accepts_loss_kwargs = False
-    # Weight files transformers writes or reads (shards and indexes included): pickled ones, and any.
-    _PICKLED_WEIGHTS = re.compile(r"pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?")
-    _WEIGHTS_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 
     def __init__(self, config: BertImplConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
@@ -600,99 +525,17 @@ class BertImplPreTrainedModel(PreTrainedModel):
         if isinstance(module, BertImplEmbeddings) and hasattr(module, "position_encoding"):
             _init_copy_(module.position_encoding, sinusoidal_position_encoding(*module.position_encoding.shape))
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """transformers' loader with refusals it lacks: a local directory of pickled weights only (a pickle
-        can run code) unless `use_safetensors=False`; a truncated or corrupt safetensors file; a checkpoint
-        without encoder weights (transformers would start them random)."""
-        source = pretrained_model_name_or_path
-        folder = os.path.join(os.fspath(source), kwargs["subfolder"]) if kwargs.get("subfolder") else source
-        if folder is not None and os.path.isdir(folder) and kwargs.get("use_safetensors") is not False:
-            names = os.listdir(folder)
-            pickled = sorted(n for n in names if cls._PICKLED_WEIGHTS.fullmatch(n))
-            if pickled and not any(n.endswith(".safetensors") for n in names):
-                raise ValueError(
-                    f"{folder} holds only pickled weights {pickled}, which bert_impl does not load by default "
-                    "(a pickle can execute code). If you trust the file, convert it explicitly: "
-                    "model.load_state_dict(torch.load(path, weights_only=True)); model.save_pretrained(dir), "
-                    "or pass use_safetensors=False to load it with torch.load(weights_only=True)"
-                )
-        want_info = kwargs.pop("output_loading_info", False)
-        try:
-            model, info = super().from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
-        except Exception as e:
-            if type(e).__name__ != "SafetensorError":  # by name: the Hub file imports only torch and transformers
-                raise
-            raise ValueError(
-                f"the weights in {source} cannot be read ({e}): model.safetensors is truncated or corrupt "
-                "(an interrupted download, copy or save?); download or save it again"
-            ) from e
-        # A new head or pooler is normal (an encoder fine-tuned for a task); a missing encoder weight is not.
-        missing = sorted(k for k in info["missing_keys"] if re.match(r"(bert\.)?(embeddings|layers)\.", k))
-        if missing:
-            raise ValueError(
-                f"the checkpoint in {source} lacks {len(missing)} encoder weight(s) this config needs, e.g. "
-                f"{missing[:4]}; they would start random. Is it a bert_impl checkpoint of this architecture? "
-                "(transformers BERT: convert it with hf_bert_impl.convert.from_hf_bert; to load a partial "
-                "state dict on purpose, use model.load_state_dict(..., strict=False))"
-            )
-        return (model, info) if want_info else model
-
-    def save_pretrained(self, save_directory, is_main_process: bool = True, *args, **kwargs):
-        """transformers' save, all or nothing: written into a hidden sibling `.NAME.saving-*`, then renamed
-        in, or atomically exchanged with an existing directory (renameat2 RENAME_EXCHANGE) after the old
-        directory's other files (tokenizer, checkpoint-*) were hard-linked in. Without the exchange the old
-        one is renamed aside first (a crash in between leaves it in `.NAME.replaced-*`, restored by the next
-        save). `sparse_prediction`, a training switch, is saved as False. Pushes and non-main ranks go
-        straight through."""
-        sparse = getattr(self.config, "sparse_prediction", False)
-        try:
-            self.config.sparse_prediction = False
-            if kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint") or not is_main_process:
-                return super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
-            target = os.path.abspath(os.fspath(save_directory))
-            if os.path.isfile(target):
-                raise ValueError(f"save_pretrained needs a directory, but {target} is a file")
-            parent, name = os.path.split(target)
-            os.makedirs(parent, exist_ok=True)
-            _remove_stale_staging(parent, name)
-            staging = os.path.join(parent, f".{name}.saving-{_owner_tag()}-{uuid.uuid4().hex[:12]}")
-            aside = staging.replace(".saving-", ".replaced-")
-            os.mkdir(staging)  # not tempfile.mkdtemp (0700): the usual umask mode
-            try:
-                super().save_pretrained(staging, is_main_process, *args, **kwargs)
-                if os.path.exists(target):
-                    new_names = set(os.listdir(staging))
-                    for entry in os.listdir(target):  # the old model's own files stay behind (no mixed shards)
-                        if entry not in new_names and not self._WEIGHTS_FILE.fullmatch(entry):
-                            _link_tree(os.path.join(target, entry), os.path.join(staging, entry))
-                    if _exchange_directories(staging, target):
-                        return  # staging holds the old checkpoint now: removed below
-                    os.rename(target, aside)
-                try:
-                    os.rename(staging, target)
-                except BaseException:
-                    if os.path.exists(aside):
-                        os.rename(aside, target)  # the old checkpoint goes back
-                    raise
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-                if os.path.exists(aside) and os.path.exists(target):
-                    shutil.rmtree(aside, ignore_errors=True)
-        finally:
-            self.config.sparse_prediction = sparse
-
-    def _check_model_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
-        """Inputs that torch would reject with an opaque IndexError raise a ValueError naming the value.
-        Skipped while compiling (data-dependent checks break the graph); on an accelerator the value
-        checks are asynchronous device asserts (`_check_range`), not a host sync per forward."""
+    def _check_model_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> tuple[int, int]:
+        """The input's (b, s). Inputs that torch would reject with an opaque IndexError raise a ValueError
+        naming the value. Skipped while compiling (data-dependent checks break the graph); on an accelerator
+        the value checks are asynchronous device asserts (`_check_range`), not a host sync per forward."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
         if len(shape) != 2:
             raise ValueError(f"input_ids must have shape (batch, sequence), got {shape}")
         if torch.compiler.is_compiling():
-            return
+            return shape
         config = self.config
         if 0 in shape:
             raise ValueError(f"the input has an empty dimension: shape {shape}; pass at least one sequence of one token")
@@ -711,12 +554,12 @@ class BertImplPreTrainedModel(PreTrainedModel):
                 rule = f"outside [0, {field_name}={limit}); check that the tokenizer matches this model (config.{field_name} = {limit})"
                 _check_range(ids, 0, limit, f"{name} contains {{}}, {rule}", f"{name} contains an id {rule}")
         if attention_mask is not None:
-            binary = attention_mask.eq(0) | attention_mask.eq(1)
+            binary, message = attention_mask.eq(0) | attention_mask.eq(1), "attention_mask must hold 1 for tokens and 0 for padding, got"
             if not _values_on_host(attention_mask):
-                _device_assert(binary.all(), "attention_mask must hold 1 for tokens and 0 for padding, got other values")
+                _device_assert(binary.all(), f"{message} other values")
             elif not binary.all():
                 values = attention_mask.unique().tolist()
-                raise ValueError(f"attention_mask must hold 1 for tokens and 0 for padding, got values {values[:8]}" + " ..." * (len(values) > 8))
+                raise ValueError(f"{message} values {values[:8]}" + " ..." * (len(values) > 8))
         if position_ids is not None:
             pshape = tuple(position_ids.shape)
             if len(pshape) != 2 or pshape[1] != shape[1] or pshape[0] not in (1, shape[0]):
@@ -725,14 +568,13 @@ class BertImplPreTrainedModel(PreTrainedModel):
             _check_range(position_ids, 0, None, message, message.format("a negative value"))
         if config.position_embedding_type == "learned":
             limit = config.max_position_embeddings
-            message = (
-                f"sequence needs position {{}} but learned positions stop at max_position_embeddings - 1 = {limit - 1}; "
-                "truncate the input (tokenizer(..., truncation=True)) or use position_embedding_type='sinusoidal'"
-            )
+            message = (f"sequence needs position {{}} but learned positions stop at max_position_embeddings - 1 = {limit - 1}; "
+                       "truncate the input (tokenizer(..., truncation=True)) or use position_embedding_type='sinusoidal'")
             if position_ids is None and shape[1] > limit:
                 raise ValueError(message.format(shape[1] - 1))
             if position_ids is not None:
                 _check_range(position_ids, None, limit, message, message.format(f">= {limit}"))
+        return shape
 
 
 class BertImplModel(BertImplPreTrainedModel):
@@ -809,8 +651,7 @@ class BertImplModel(BertImplPreTrainedModel):
         (num_layers + 1) x (b, s, H) and attentions num_layers x (b, h, s, s)."""
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        self._check_model_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        b, s = input_shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
+        b, s = input_shape = self._check_model_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         dtype = self.embeddings.word_embeddings.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
         tokens = self._token_map(input_shape, attention_mask, position_ids, dtype, output_attentions, kwargs)
         if tokens is not None and position_ids is None:  # real tokens keep their places in their rows
@@ -842,15 +683,8 @@ class BertImplModel(BertImplPreTrainedModel):
 # return_dict) travel in **kwargs to the encoder; `return_dict=False` gives the output's tuple.
 
 
-@dataclass
-class BertImplForPreTrainingOutput(ModelOutput):
-    """Output of [`BertImplForPreTraining`] (the fields of transformers' `BertForPreTrainingOutput`)."""
-
-    loss: torch.Tensor | None = None
-    prediction_logits: torch.Tensor | None = None
-    seq_relationship_logits: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
+# The output of BertImplForPreTraining: transformers' own (loss, prediction_logits, seq_relationship_logits, ...).
+BertImplForPreTrainingOutput = BertForPreTrainingOutput
 
 
 class _BertImplMLMHeadModel(BertImplPreTrainedModel):

@@ -8,7 +8,7 @@
     SentenceTransformer("my-embedder/", trust_remote_code=True).encode(["a sentence"])
 
 The directory is written by sentence-transformers itself (`SentenceTransformer.save`): the encoder
-and our two code files at the top (so it also loads with `AutoModel.from_pretrained(dir,
+and our code files at the top (so it also loads with `AutoModel.from_pretrained(dir,
 trust_remote_code=True)`), the tokenizer, `modules.json`, `1_Pooling/` and, when asked,
 `2_Normalize/`. The other way round, converting an existing sentence-transformers checkpoint keeps
 its modules: `scripts/convert_checkpoint.py` (`hf_bert_impl.convert.copy_sentence_transformers_files`).

@@ -32,7 +32,7 @@ Copy-paste commands (offline; with no data option the embedded corpus is used, s
 
 Every `TrainingArguments` option works (--bf16, --gradient_checkpointing, --torch_compile, --save_steps,
 --eval_strategy ...). The output directory is in Hub format: model.safetensors, config.json with
-auto_map, the two code files, the tokenizer, training_facts.json, loss_curve.png and README.md
+auto_map, the code files, the tokenizer, training_facts.json, loss_curve.png and README.md
 (the model card).
 """
 

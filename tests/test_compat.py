@@ -1,4 +1,4 @@
-"""The two Hub files under other transformers releases: 4.57.6 (the last v4), 5.0.0 (the first v5)
+"""The Hub files under other transformers releases: 4.57.6 (the last v4), 5.0.0 (the first v5)
 and this venv's own 5.x.
 
 Each version is a side install (`bash scripts/test.sh` puts it under `.venv-compat/`) used through

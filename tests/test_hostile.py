@@ -470,7 +470,7 @@ def test_replacing_a_checkpoint_is_atomic_at_every_step(tmp_path, debug_config, 
     where the atomic exchange is unavailable."""
     import os
 
-    import hf_bert_impl.modeling_bert_impl as mb
+    import hf_bert_impl.checkpoint_bert_impl as mb
 
     if sys.platform.startswith("linux"):
         probe = tmp_path / "probe"
@@ -567,7 +567,8 @@ def test_killed_save_leaves_a_loadable_checkpoint(tmp_path, debug_config):
         assert len(which) == 1, "the killed save left a checkpoint that is neither model"
         seen.add(which[0])
         visible = sorted(p.name for p in folder.iterdir())
-        assert visible == ["config.json", "configuration_bert_impl.py", "model.safetensors", "modeling_bert_impl.py"], visible
+        assert visible == ["checkpoint_bert_impl.py", "config.json", "configuration_bert_impl.py", "model.safetensors",
+                           "modeling_bert_impl.py"], visible
     models[0].save_pretrained(folder)  # the dead processes' staging directories go
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     print(f"models found after kills: {sorted(seen)}")
@@ -635,7 +636,7 @@ def test_new_head_and_pooler_on_an_encoder_checkpoint_still_load(tmp_path, debug
 
 
 def test_tampered_code_files_in_a_checkpoint_are_not_run(saved, tmp_path):
-    """A checkpoint carries our two code files for trust_remote_code users. With this package
+    """A checkpoint carries our three code files for trust_remote_code users. With this package
     installed and no trust_remote_code, loading uses the installed classes and never runs them."""
     import runpy
 
@@ -643,7 +644,7 @@ def test_tampered_code_files_in_a_checkpoint_are_not_run(saved, tmp_path):
 
     folder, model = saved
     markers = {}
-    for name in ("modeling_bert_impl.py", "configuration_bert_impl.py"):
+    for name in ("modeling_bert_impl.py", "configuration_bert_impl.py", "checkpoint_bert_impl.py"):
         markers[name] = tmp_path / f"ran_{name}.txt"
         code = folder / name
         code.write_text(f"open({str(markers[name])!r}, 'w').close()\n" + code.read_text())

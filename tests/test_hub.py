@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_bert_impl.hub import NOT_RECORDED, build_model_card, save_model_card, validate_model_card
+from hf_bert_impl.hub import CODE_FILES, NOT_RECORDED, build_model_card, save_model_card, validate_model_card
 
 from .conftest import REPO_ROOT, run_without_package
 
@@ -213,7 +213,7 @@ HEADS = {"mlm": "BertImplForMaskedLM", "pt": "BertImplForPreTraining", "cls": "B
 TEXT = "The quick brown fox jumps over the lazy dog in Paris."
 MASKED = "The quick brown [MASK] jumps over the lazy dog."
 QUESTION, CONTEXT = "Where does the fox live?", "The fox lives in a small den near Paris with its family."
-UPLOAD = ["README.md", "config.json", "configuration_bert_impl.py", "loss_curve.png", "model.safetensors",
+UPLOAD = ["README.md", "checkpoint_bert_impl.py", "config.json", "configuration_bert_impl.py", "loss_curve.png", "model.safetensors",
           "modeling_bert_impl.py", "tokenizer.json", "tokenizer_config.json"]
 
 
@@ -344,7 +344,7 @@ def test_dry_run_folder_is_exactly_the_hub_repository(hub_setup):
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "bert_impl" and config["auto_map"] == AUTO_MAP
     assert config["architectures"] == ["BertImplForMaskedLM"]
-    for name in ("configuration_bert_impl.py", "modeling_bert_impl.py"):
+    for name in CODE_FILES:
         assert (folder / name).read_bytes() == (REPO_ROOT / "hf_bert_impl" / name).read_bytes()
     card = ModelCard.load(folder / "README.md")
     validate_model_card(card, hub_setup.dirs["mlm"])
@@ -512,8 +512,8 @@ def test_trainer_push_to_hub_uploads_a_loadable_remote_code_repository(trainer_u
     # Trainer's own card (README.md) and its pickled TrainingArguments travel too; the weights are
     # safetensors and nothing else is pickled.
     assert sorted(_files(trainer_upload.folder)) == [
-        "README.md", "config.json", "configuration_bert_impl.py", "model.safetensors", "modeling_bert_impl.py",
-        "tokenizer.json", "tokenizer_config.json", "training_args.bin"]
+        "README.md", "checkpoint_bert_impl.py", "config.json", "configuration_bert_impl.py", "model.safetensors",
+        "modeling_bert_impl.py", "tokenizer.json", "tokenizer_config.json", "training_args.bin"]
     config = json.loads((trainer_upload.folder / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["BertImplForSequenceClassification"]
     assert [c[0] for c in trainer_upload.hub.calls] == ["create_repo", "upload_folder"]
@@ -772,7 +772,8 @@ def test_converted_checkpoint_to_upload_folder(minilm_dir, tmp_path):
     converted, upload = tmp_path / "converted", tmp_path / "upload"
     assert _load_script("convert_checkpoint").main(["--from-hf", str(minilm_dir), "--out", str(converted)]) == 0
     assert _push_script().main(["--model-dir", str(converted), "--repo-id", "owner/minilm-impl", "--dry-run", str(upload)]) == 0
-    assert sorted(_files(upload)) == ["README.md", "config.json", "configuration_bert_impl.py", "model.safetensors",
+    assert sorted(_files(upload)) == ["README.md", "checkpoint_bert_impl.py", "config.json", "configuration_bert_impl.py",
+                                      "model.safetensors",
                                       "modeling_bert_impl.py", "special_tokens_map.json", "tokenizer.json",
                                       "tokenizer_config.json", "vocab.txt"]
     card = ModelCard.load(upload / "README.md")
