@@ -1,0 +1,94 @@
+"""scripts/benchmark_packing.py on its real command line, tiny settings: the loss check ran and passed,
+and the JSON's numbers agree with each other (no timing assertions: only how they were derived)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_scripts import REPO_ROOT, SCRIPTS, load_script
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "OMP_NUM_THREADS": "1",  # this checkout's package, whatever the environment has installed
+       "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def run(*argv):
+    return subprocess.run([sys.executable, str(SCRIPTS / "benchmark_packing.py"), *argv], cwd=REPO_ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_benchmark_packing_checks_the_loss_and_writes_consistent_json(tmp_path):
+    out = tmp_path / "packing.json"
+    argv = ["--num_batches", "2", "--passes", "1", "--warmup", "1", "--batch_size", "4", "--max_seq_length", "64",
+            "--threads", "1", "--json", str(out)]
+    result = run(*argv)
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["command"] == "python scripts/benchmark_packing.py " + " ".join(argv)
+    assert r["args"]["batch_size"] == 4 and r["args"]["unpad_inputs"] is True and r["args"]["model_size"] == "tiny"
+    assert {"cpu", "torch", "transformers"} <= set(r["machine"]) and r["machine"]["torch_threads"] == 1
+    assert r["timed"] == "forward + backward per batch, training mode"
+
+    check = r["loss_check"]
+    assert check["tolerance"] == 1e-5 and check["abs_diff"] <= 1e-5
+    assert check["abs_diff"] == pytest.approx(abs(check["padded"] - check["packed"]), abs=1e-12)
+
+    d = r["data"]
+    lengths = d["token_lengths"]
+    assert d["rows"] == len(lengths) == 8 and max(lengths) <= 64
+    assert d["real_tokens"] == sum(lengths)
+    batches = [lengths[i:i + 4] for i in range(0, 8, 4)]
+    assert d["padded_grid_tokens"] == sum(len(b) * max(b) for b in batches)  # each batch padded to its longest row
+    assert d["real_token_fraction"] == pytest.approx(d["real_tokens"] / d["padded_grid_tokens"])
+    assert d["tokens_min_median_max"][0] == min(lengths) and d["tokens_min_median_max"][2] == max(lengths)
+
+    for path in ("padded", "packed"):
+        p = r[path]
+        assert p["seconds"] > 0 and len(p["seconds_per_pass"]) == 1
+        assert p["seconds"] == pytest.approx(sum(p["seconds_per_pass"]))
+        assert p["sequences_per_s"] == pytest.approx(8 / p["seconds"])
+        assert p["real_tokens_per_s"] == pytest.approx(d["real_tokens"] / p["seconds"])
+    assert r["speedup"] == pytest.approx(r["padded"]["seconds"] / r["packed"]["seconds"])
+    assert r["speedup_min"] == pytest.approx(r["speedup"]) == pytest.approx(r["speedup_max"])
+    assert f"{r['speedup']:.2f}x" in r["markdown_table"] and r["markdown_table"] in result.stdout
+    assert "loss check (first batch, dropout off)" in result.stdout and math.isfinite(check["padded"])
+
+
+def test_benchmark_packing_bad_value_is_a_one_line_usage_error():
+    result = run("--num_batches", "0")
+    assert result.returncode == 2
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert lines == ["benchmark_packing.py: error: --batch_size, --num_batches and --passes must be >= 1, "
+                     "got 32, 0, 3"], result.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--passes", "0"], "--batch_size, --num_batches and --passes must be >= 1, got 32, 10, 0"),
+    (["--max_seq_length", "1000"], "--max_seq_length must be in [8, 512]"),
+    (["--model_size", "huge"], "--model_size must be one of ['debug', 'tiny', 'mini'"),
+    (["--threads", "-1"], "--warmup and --threads must be >= 0, got 2, -1"),
+])
+def test_benchmark_packing_rejects_bad_values_before_any_work(argv, message, capsys):
+    bench = load_script("benchmark_packing")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("benchmark_packing.py: error: ") and message in err, err
+
+
+def test_benchmark_packing_stops_when_the_layouts_disagree(monkeypatch, capsys):
+    """Packed rows without position_ids read as one long sequence (attention crosses the boundaries):
+    the loss check must catch it and stop before timing."""
+    bench = load_script("benchmark_packing")
+    monkeypatch.setattr(bench, "DataCollatorWithFlattening", lambda **kw: bench.transformers.DataCollatorWithFlattening(
+        return_position_ids=False))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--num_batches", "1", "--batch_size", "4", "--max_seq_length", "64", "--passes", "1"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("benchmark_packing.py: error: padded and packed losses differ"), err
