@@ -14,7 +14,7 @@
     # hf-bert-impl -> a plain transformers BERT checkpoint that loads without this package
     python scripts/convert_checkpoint.py --to-hf converted/ --out back-to-bert/
 
-`--from-hf` writes model.safetensors, config.json (with auto_map for every head) and our two code
+`--from-hf` writes model.safetensors, config.json (with auto_map for every head) and our code
 files, so `AutoModel*.from_pretrained(out, trust_remote_code=True)` works without this package;
 `--to-hf` writes a `model_type: "bert"` checkpoint. Both copy the source's tokenizer files, so
 `AutoTokenizer.from_pretrained(out, trust_remote_code=True)` works, and a sentence-transformers model's
