@@ -148,6 +148,37 @@ def test_mlm_loss_matches_hand_computation(debug_config):
     assert none_masked.item() == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mlm_loss_of_half_precision_logits(dtype):
+    """Half-precision logits are not cast to float32 as a whole: per-token losses in their dtype,
+    summed in float32. Loss and logit gradients are checked against the float64 loss of the same
+    (rounded) logits: each within 3x the error of transformers' way (cross-entropy mean in the
+    logits' dtype) plus one rounding step of the dtype, and the float32 path is the plain
+    float32 cross-entropy, bit for bit."""
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 40, 1000) * 3).to(dtype)
+    labels = torch.randint(0, 1000, (6, 40))
+    labels[torch.rand(labels.shape) > 0.15] = -100
+    n = labels.ne(-100).sum()
+    ref_in = logits.double().requires_grad_()
+    ref = nn.functional.cross_entropy(ref_in.view(-1, 1000), labels.view(-1), ignore_index=-100)
+    ref.backward()
+    ours_in, hf_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ours = masked_lm_loss(ours_in, labels)
+    hf = nn.functional.cross_entropy(hf_in.view(-1, 1000), labels.view(-1), ignore_index=-100)
+    assert ours.dtype == torch.float32 and hf.dtype == dtype
+    ours.backward()
+    hf.backward()
+    eps = torch.finfo(dtype).eps
+    assert abs(ours.item() - ref.item()) <= 3 * abs(hf.item() - ref.item()) + eps * ref.item()
+    grad_err = (ours_in.grad.double() - ref_in.grad).abs().max().item()
+    assert grad_err <= 3 * (hf_in.grad.double() - ref_in.grad).abs().max().item() + 1e-6
+    # float32: exactly the float32 cross-entropy sum over the masked count
+    logits32 = logits.float()
+    expected = nn.functional.cross_entropy(logits32.view(-1, 1000), labels.view(-1), ignore_index=-100, reduction="sum") / n
+    assert masked_lm_loss(logits32, labels).item() == expected.item()
+
+
 def test_pretraining_loss_matches_hand_computation(debug_config):
     """L = L_MLM + L_NSP. Under gradient accumulation (num_items_in_batch = N masked tokens over all
     micro-batches) the MLM sum is divided by N and the NSP mean is weighted by this micro-batch's share
