@@ -1,6 +1,7 @@
 """The training scripts' command-line plumbing: argument preamble, one-line errors, and the end of a
 run (save, training_facts.json, loss-curve PNG, model card) that `scripts/pretrain_mlm.py` and
-`scripts/finetune.py` share. The data they train on is in `hf_bert_impl.data`.
+`scripts/finetune.py` share; the machine record and JSON file of the benchmark scripts. The data
+they train on is in `hf_bert_impl.data`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 import logging
 import math
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -175,3 +177,33 @@ def finish_run(trainer, *, title: str, task: str, hyperparameters: dict, **facts
     write_training_facts(out, task=task, hyperparameters={**run_hyperparameters(trainer), **hyperparameters}, **facts)
     save_model_card(out)
     return out
+
+
+def machine_record(device=None) -> dict:
+    """What a benchmark ran on: lscpu's model name, cores, torch threads, versions, the GPU, load averages."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:  # lscpu's "Model name"
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    if device is not None and device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        info["load_average_at_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def write_result_json(result: dict, path) -> None:
+    """A benchmark's result as JSON at `path` (folders made as needed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")

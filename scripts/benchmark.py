@@ -52,20 +52,18 @@ are random and the output says so.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import transformers
 from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
 
 from hf_bert_impl import BertImplForMaskedLM
+from hf_bert_impl.cli import machine_record, write_result_json
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
 from hf_bert_impl.modeling_bert_impl import _ONEDNN_LINEAR as ONEDNN_LINEAR
@@ -474,24 +472,6 @@ def model_flops(config, workload, lengths, n_masked) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def machine_info(device) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        info["load_average_at_start"] = os.getloadavg()
-    except OSError:
-        pass
-    return info
-
-
 def run_backend(args, backend, device, dtype, tokenizer, peaks):
     hf, ours = build_models(args, backend, device, dtype)
     batches, lengths, source = make_batches(args, tokenizer, device)
@@ -732,7 +712,7 @@ def main(argv=None):
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = DTYPES[args.dtype]
-    info = machine_info(device)
+    info = machine_record(device)
     print(f"machine: {info}")
     tokenizer = load_tokenizer()
     peaks = PeakSampler(device, dtype)
@@ -760,10 +740,7 @@ def main(argv=None):
     print(table)
     result["markdown_table"] = table
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_result_json(result, args.json)
     return result
 
 

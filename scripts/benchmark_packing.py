@@ -28,10 +28,8 @@ min-max of the per-pass ratios beside it).
 
 from __future__ import annotations
 
-import json
 import keyword
 import os
-import platform
 import random
 import statistics
 import sys
@@ -39,11 +37,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import transformers
 from transformers import AutoTokenizer, DataCollatorForTokenClassification, DataCollatorWithFlattening, HfArgumentParser
 
 from hf_bert_impl import BertImplConfig, BertImplForTokenClassification
 from hf_bert_impl import data as D
+from hf_bert_impl.cli import machine_record, write_result_json
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 
 TAGS = ["O", "KEYWORD", "CAPITALISED"]
@@ -109,18 +107,6 @@ def encode(rows, tokenizer, max_length: int) -> list[dict]:
              "labels": D.align_word_labels(enc.word_ids(i), [tag(w) for w in words])} for i, words in enumerate(rows)]
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:  # lscpu's "Model name"
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "load_average_at_start": os.getloadavg()}
-
-
 def step(model, batch, optimizer) -> float:
     """Seconds for forward + backward (+ AdamW step) on one batch; gradients cleared afterwards, untimed."""
     t0 = time.perf_counter()
@@ -137,7 +123,7 @@ def main(argv=None):
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = machine_info()
+    info = machine_record()
     print(f"machine: {info}")
 
     if args.tokenizer_name:
@@ -216,10 +202,7 @@ def main(argv=None):
         f"({result['speedup_min']:.2f}-{result['speedup_max']:.2f}) |"])
     print(table)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_result_json(result, args.json)
     return result
 
 

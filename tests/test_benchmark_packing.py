@@ -85,8 +85,8 @@ def test_benchmark_packing_stops_when_the_layouts_disagree(monkeypatch, capsys):
     """Packed rows without position_ids read as one long sequence (attention crosses the boundaries):
     the loss check must catch it and stop before timing."""
     bench = load_script("benchmark_packing")
-    monkeypatch.setattr(bench, "DataCollatorWithFlattening", lambda **kw: bench.transformers.DataCollatorWithFlattening(
-        return_position_ids=False))
+    real = bench.DataCollatorWithFlattening
+    monkeypatch.setattr(bench, "DataCollatorWithFlattening", lambda **kw: real(return_position_ids=False))
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--num_batches", "1", "--batch_size", "4", "--max_seq_length", "64", "--passes", "1"])
     assert exit_info.value.code == 1
