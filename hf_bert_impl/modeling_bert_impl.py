@@ -140,8 +140,10 @@ def linear_kernel(setting="auto") -> str:
 
 class _OneDNNLinearFunction(torch.autograd.Function):
     """y = x Wᵀ + b with all three GEMMs on oneDNN. The op has no autograd formula of its own, so the
-    backward is written out: dx = dy W, dW = dyᵀ x, db = Σ dy. In bfloat16 torch.mm is oneDNN too and
-    takes dyᵀ as a strided view, where the op would first copy it (the decoder's dW: 139 vs 184 ms)."""
+    backward is written out: dx = dy W, dW = dyᵀ x, db = Σ dy. The op first copies dyᵀ, which torch.mm
+    reads as a strided view: dW goes through torch.mm in bfloat16 (oneDNN there too) and, in float32
+    (MKL), for outputs over 8x wider than the input (the vocabulary projection, whose (N, V) copy costs
+    more than the GEMM library gains: bert-base decoder dW 139 vs 184 ms bf16, 264 vs 342 ms fp32)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -157,8 +159,8 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         grad_x = _ONEDNN_LINEAR(grad, weight.t(), None, "none", [], "") if need[0] else None  # (..., in)
         grad_w, x_2d = None, x.reshape(-1, x.size(-1))  # (N, in)
         if need[1]:  # (out, in)
-            bf16 = grad.dtype == torch.bfloat16
-            grad_w = torch.mm(grad_2d.t(), x_2d) if bf16 else _ONEDNN_LINEAR(grad_2d.t(), x_2d.t(), None, "none", [], "")
+            by_mm = grad.dtype == torch.bfloat16 or grad_2d.size(1) > 8 * x_2d.size(1)
+            grad_w = torch.mm(grad_2d.t(), x_2d) if by_mm else _ONEDNN_LINEAR(grad_2d.t(), x_2d.t(), None, "none", [], "")
         return grad_x, grad_w, grad_2d.sum(0) if ctx.has_bias and need[2] else None
 
 

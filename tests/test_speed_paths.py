@@ -56,22 +56,30 @@ needs_onednn = pytest.mark.skipif(mb._ONEDNN_LINEAR is None, reason="this torch 
 
 
 @needs_onednn
-def test_onednn_linear_forward_and_backward_match_nn_linear(debug_config, monkeypatch):
+@pytest.mark.parametrize("in_features,out_features,dw_by_mm", [(32, 37, False), (8, 100, True)],
+                         ids=["dW-on-onednn", "wide-output-dW-by-torch.mm"])
+def test_onednn_linear_forward_and_backward_match_nn_linear(debug_config, monkeypatch, in_features, out_features, dw_by_mm):
+    """Forward and every gradient against nn.Linear, on both weight-gradient routes of the backward
+    (oneDNN, and torch.mm for an output over 8x wider than the input: the vocabulary projection)."""
     config = debug_config()
     torch.manual_seed(0)
-    layer = mb.BertImplLinear(config, 32, 37)
-    ref = torch.nn.Linear(32, 37)
+    layer = mb.BertImplLinear(config, in_features, out_features)
+    ref = torch.nn.Linear(in_features, out_features)
     ref.load_state_dict(layer.state_dict())
     calls = []
     apply = mb._OneDNNLinearFunction.apply
     monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
-    x = torch.randn(13, 7, 32, requires_grad=True)
+    x = torch.randn(13, 7, in_features, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = layer(x), ref(x_ref)
     assert calls == [1]
     assert (y - y_ref).abs().max().item() <= ATOL
     g = torch.randn_like(y)
+    mm_calls, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a: mm_calls.append(1) or mm(*a))
     y.backward(g)
+    assert bool(mm_calls) == dw_by_mm
+    monkeypatch.setattr(torch, "mm", mm)
     y_ref.backward(g)
     assert (x.grad - x_ref.grad).abs().max().item() <= ATOL
     assert (layer.weight.grad - ref.weight.grad).abs().max().item() <= 1e-4  # a sum over 91 rows of O(1) terms
