@@ -15,7 +15,7 @@ What it does: batch_size x num_batches token-classification rows from the embedd
 (hf_bert_impl/data.py), each 1 to 8 consecutive sentences of one paragraph (as many as it has), word
 tags read off the text (Python keyword / capitalised / other), truncated to --max_seq_length tokens
 of a WordPiece tokenizer trained on the corpus as scripts/pretrain_mlm.py trains one (the `tokenizers`
-trainer breaks ties in hash order, so the real-token count can move by a few per 10,000 between runs;
+trainer is not bit-reproducible between runs, so the real-token count can move by a few per 10,000;
 --tokenizer_name fixes it). Every batch is collated both ways before timing: padded
 (DataCollatorForTokenClassification; the model drops the padding inside while unpad_inputs is on) and
 packed (DataCollatorWithFlattening: one row, position_ids restarting at 0 per sequence).
