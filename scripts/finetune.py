@@ -442,8 +442,8 @@ def main(argv: list[str] | None = None) -> dict:
         collator = DataCollatorWithPadding(tokenizer)
     cli.default_logging_steps(training_args, num_update_steps=None)
     callbacks = [EarlyStoppingCallback(data_args.early_stopping_patience)] if data_args.early_stopping_patience else []
-    eval_splits, predict_splits = split_roles(encoded)
-    eval_splits = [k for k in eval_splits if k not in unlabeled]
+    validation_splits, predict_splits = split_roles(encoded)
+    eval_splits = [k for k in validation_splits if k not in unlabeled]
     evaluation = encoded[eval_splits[0]] if eval_splits else None
     if evaluation is not None and eval_splits[0] != "validation":
         logger.info("evaluating on %s (%s reported after training)", eval_splits[0], ", ".join(eval_splits[1:]) or "nothing else")
@@ -471,8 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
             other_metrics.update({k: v for k, v in other.items() if not k.endswith(BOOKKEEPING_SUFFIXES)})
             trainer.log_metrics(split, other)
     # Predictions for every test split; without one, for the validation split(s).
-    if not predict_splits:
-        predict_splits = [k for k in split_roles(encoded)[0]]
+    predict_splits = predict_splits or validation_splits
     predictions_files = {}
     for n, split in enumerate(predict_splits):
         output = trainer.predict(encoded[split], metric_key_prefix=split)
