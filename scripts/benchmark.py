@@ -345,22 +345,38 @@ def step_fn(model, workload, batch, optimizer):
     return train
 
 
-def interleaved(fn_a, fn_b, pairs, warmup, device):
-    """Times A and B alternately; returns (times_a, times_b, ratios a/b), warm-up pairs excluded."""
-    times_a, times_b = [], []
+def interleaved(fns: dict, pairs, warmup, device) -> dict[str, list[float]]:
+    """Times the functions in turn (A, B, ..., A, B, ...); each one's times in seconds, warm-up rounds excluded."""
+    times = {name: [] for name in fns}
     for i in range(warmup + pairs):
-        sync(device)
-        t0 = time.perf_counter()
-        fn_a()
-        sync(device)
-        t1 = time.perf_counter()
-        fn_b()
-        sync(device)
-        t2 = time.perf_counter()
-        if i >= warmup:
-            times_a.append(t1 - t0)
-            times_b.append(t2 - t1)
-    return times_a, times_b, [a / b for a, b in zip(times_a, times_b)]
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def ratios(times_a: list[float], times_b: list[float], prefix: str = "ratio") -> dict:
+    """Median and range of the per-round ratios a / b (b faster: above 1)."""
+    r = [a / b for a, b in zip(times_a, times_b)]
+    return {f"{prefix}_median": statistics.median(r), f"{prefix}_min": min(r), f"{prefix}_max": max(r)}
+
+
+def timing_row(times: dict, baseline: str, pairs: int, mask, flops: float, peak: float) -> dict:
+    """One workload's JSON row: ours against `baseline` per round, and for each timed function its median
+    latency, tokens/s (padded and real), MFU against `peak` and the raw times."""
+    padded_tokens, real_tokens = mask.numel(), int(mask.sum())
+    row = {"pairs": pairs, "real_token_fraction": real_tokens / padded_tokens, "model_flops": flops,
+           "load_average_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
+           **ratios(times[baseline], times["ours"])}
+    for tag, ts in times.items():
+        t = statistics.median(ts)
+        row[tag] = {"latency_ms": 1e3 * t, "tokens_per_s_padded": padded_tokens / t,
+                    "tokens_per_s_real": real_tokens / t, "mfu": flops / t / peak, "times_s": ts}
+    return row
 
 
 def first_backward_start(events):
@@ -490,18 +506,10 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks):
         opt_a = torch.optim.AdamW(hf.parameters(), lr=1e-5) if training else None
         opt_b = torch.optim.AdamW(ours.parameters(), lr=1e-5) if training else None
         fn_a, fn_b = step_fn(hf, workload, batch, opt_a), step_fn(ours, workload, batch, opt_b)
-        times_a, times_b, ratios = interleaved(fn_a, fn_b, pairs, args.warmup, device)
+        times = interleaved({"transformers": fn_a, "ours": fn_b}, pairs, args.warmup, device)
         peaks.sample()
         flops = model_flops(ours.config, workload, real_lengths, n_masked)
-        padded_tokens, real_tokens = mask.numel(), int(mask.sum())
-        row = {"pairs": pairs, "real_token_fraction": real_tokens / padded_tokens, "model_flops": flops,
-               "load_average_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
-               "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
-        for tag, times in (("transformers", times_a), ("ours", times_b)):
-            t = statistics.median(times)
-            row[tag] = {"latency_ms": 1e3 * t, "tokens_per_s_padded": padded_tokens / t,
-                        "tokens_per_s_real": real_tokens / t, "mfu": flops / t / peaks.best,
-                        "times_s": times}
+        row = timing_row(times, "transformers", pairs, mask, flops, peaks.best)
         if args.memory:
             for tag, fn, model in (("transformers", fn_a, hf), ("ours", fn_b, ours)):
                 if device.type == "cuda":
@@ -617,26 +625,10 @@ def run_onnxruntime(args, device, tokenizer, peaks):
             fns = {"onnxruntime_transformers": lambda b=batch: sessions["onnxruntime_transformers"](b),
                    "ours": step_fn(ours, workload, batch, None),
                    "onnxruntime_ours": lambda b=batch: sessions["onnxruntime_ours"](b)}
-            times = {k: [] for k in fns}
-            for i in range(args.warmup + pairs):
-                for k, fn in fns.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    if i >= args.warmup:
-                        times[k].append(time.perf_counter() - t0)
-            padded_tokens, real_tokens = mask.numel(), int(mask.sum())
+            times = interleaved(fns, pairs, args.warmup, device)
             flops = model_flops(ours.config, workload, mask.sum(1).tolist(), 0)
-            ratios = [a / b for a, b in zip(times["onnxruntime_transformers"], times["ours"])]
-            ratios_onnx = [a / b for a, b in zip(times["onnxruntime_transformers"], times["onnxruntime_ours"])]
-            row = {"pairs": pairs, "real_token_fraction": real_tokens / padded_tokens, "model_flops": flops,
-                   "load_average_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
-                   "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                   "ours_onnx_ratio_median": statistics.median(ratios_onnx),
-                   "ours_onnx_ratio_min": min(ratios_onnx), "ours_onnx_ratio_max": max(ratios_onnx)}
-            for tag, ts in times.items():
-                t = statistics.median(ts)
-                row[tag] = {"latency_ms": 1e3 * t, "tokens_per_s_padded": padded_tokens / t,
-                            "tokens_per_s_real": real_tokens / t, "mfu": flops / t / peaks.best, "times_s": ts}
+            row = timing_row(times, "onnxruntime_transformers", pairs, mask, flops, peaks.best)
+            row.update(ratios(times["onnxruntime_transformers"], times["onnxruntime_ours"], prefix="ours_onnx_ratio"))
             results[workload] = row
             for tag in times:
                 r = row[tag]
