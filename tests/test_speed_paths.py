@@ -651,15 +651,19 @@ def _benchmark_module():
     return module
 
 
-def test_benchmark_script_checks_outputs_and_writes_json(tmp_path):
-    """One timed pair of the tiny size: the output checks ran and passed, and every reported number is there."""
+def _tiny_benchmark(tmp_path, *argv) -> dict:
+    """scripts/benchmark.py on the tiny size, one timed pair, plus `argv`; its JSON result."""
     import json
 
-    bench = _benchmark_module()
     out = tmp_path / "bench.json"
-    bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
-                "--workloads", "fixed,mixed", "--memory", "false", "--json", str(out)])
-    result = json.loads(out.read_text())
+    _benchmark_module().main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
+                              *argv, "--json", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_benchmark_script_checks_outputs_and_writes_json(tmp_path):
+    """One timed pair of the tiny size: the output checks ran and passed, and every reported number is there."""
+    result = _tiny_benchmark(tmp_path, "--workloads", "fixed,mixed", "--memory", "false")
     checks = result["backends"]["sdpa"]["checks"]
     assert {"fixed_max_abs_diff", "mixed_max_abs_diff", "mlm_loss_abs_diff", "mlm_grad_max_abs_diff"} <= set(checks)
     assert all(v <= 1e-5 for v in checks.values()), checks
@@ -674,13 +678,7 @@ def test_benchmark_script_checks_outputs_and_writes_json(tmp_path):
 def test_benchmark_dense_mlm_step_checks_full_logits(tmp_path):
     """The default-config MLM step (sparse_prediction off): full (b, s, V) logits checked against
     transformers before timing, and timed as its own row."""
-    import json
-
-    bench = _benchmark_module()
-    out = tmp_path / "bench.json"
-    bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
-                "--workloads", "mlm_dense", "--memory", "false", "--json", str(out)])
-    result = json.loads(out.read_text())
+    result = _tiny_benchmark(tmp_path, "--workloads", "mlm_dense", "--memory", "false")
     checks = result["backends"]["sdpa"]["checks"]
     assert checks["mlm_dense_logits_max_abs_diff"] <= 1e-5 and checks["mlm_dense_loss_abs_diff"] <= 1e-5
     row = result["backends"]["sdpa"]["workloads"]["mlm_dense"]
@@ -690,15 +688,9 @@ def test_benchmark_dense_mlm_step_checks_full_logits(tmp_path):
 
 def test_benchmark_against_onnxruntime(tmp_path):
     """transformers' BERT and ours exported to ONNX, checked (<= 1e-4) and timed against ours."""
-    import json
-
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    bench = _benchmark_module()
-    out = tmp_path / "ort.json"
-    bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
-                "--against", "onnxruntime", "--json", str(out)])
-    result = json.loads(out.read_text())
+    result = _tiny_benchmark(tmp_path, "--against", "onnxruntime")
     res = result["backends"]["onnxruntime"]
     assert len(res["checks"]) == 8 and all(v <= 1e-4 for v in res["checks"].values()), res["checks"]
     assert set(res["workloads"]) == {"fixed", "mixed"}
