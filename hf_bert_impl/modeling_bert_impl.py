@@ -200,13 +200,15 @@ def sinusoidal_position_encoding(num_positions: int, dim: int) -> torch.Tensor:
     """
     if num_positions < 0 or dim <= 0:
         raise ValueError(f"sinusoidal_position_encoding needs num_positions >= 0 and dim > 0, got {num_positions}, {dim}")
-    pos = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
-    two_i = torch.arange(0, dim, 2, dtype=torch.float64)  # (ceil(dim/2),) the even column indices 2i
-    angle = pos / torch.pow(10000.0, two_i / dim)  # (P, ceil(dim/2))
-    pe = torch.empty(num_positions, dim, dtype=torch.float64)
-    pe[:, 0::2] = torch.sin(angle)
-    pe[:, 1::2] = torch.cos(angle[:, : dim // 2])
-    return pe.float()
+    return _sinusoid(torch.arange(num_positions, dtype=torch.float64), dim)
+
+
+def _sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    """The encoding's rows at positions `pos` (any shape, float) -> (*pos.shape, dim) float32, on pos's device."""
+    pos = pos.to(torch.float32 if pos.device.type == "mps" else torch.float64)  # MPS has no float64
+    two_i = torch.arange(0, dim, 2, dtype=pos.dtype, device=pos.device)  # (ceil(dim/2),) the even columns 2i
+    angle = pos.unsqueeze(-1) / torch.pow(10000.0, two_i / dim)  # (..., ceil(dim/2))
+    return torch.stack([angle.sin(), angle.cos()], -1).flatten(-2)[..., :dim].float()  # sin, cos interleaved
 
 
 def eager_attention_forward(
@@ -277,17 +279,21 @@ class BertImplEmbeddings(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)  # (b, s, H)
         b, s = inputs_embeds.shape[:2]
-        if position_ids is None:
+        built = position_ids is None  # then the positions are 0 .. s-1, known without reading them
+        if built:
             position_ids = torch.arange(s, device=inputs_embeds.device).unsqueeze(0)  # (1, s)
         if token_type_ids is None:
             token_type_ids = torch.zeros((b, s), dtype=torch.long, device=inputs_embeds.device)
+        dtype = self.word_embeddings.weight.dtype
         if self.config.position_embedding_type == "learned":
             positions = self.position_embeddings(position_ids)  # (b|1, s, H)
-        else:  # past the stored rows the formula holds for any position (an all-padding batch has none)
-            table = self.position_encoding
-            if position_ids.numel() and not torch.compiler.is_compiling() and int(position_ids.max()) >= table.size(0):
-                table = sinusoidal_position_encoding(int(position_ids.max()) + 1, self.config.hidden_size).to(table.device)
-            positions = F.embedding(position_ids, table.to(self.word_embeddings.weight.dtype))  # (b|1, s, H)
+        else:  # the stored rows when every position is known to be among them, else the formula at each position
+            # (it holds past the rows; and on an accelerator reading the largest position would be a host sync)
+            P = self.position_encoding.size(0)
+            stored = s <= P if built else torch.compiler.is_compiling() or _values_on_host(position_ids) and (
+                not position_ids.numel() or int(position_ids.max()) < P)
+            positions = (F.embedding(position_ids, self.position_encoding.to(dtype)) if stored
+                         else _sinusoid(position_ids, self.config.hidden_size).to(dtype))  # (b|1, s, H)
         embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids) + positions
         return self.dropout(self.LayerNorm(embeddings))  # (b, s, H)
 
@@ -318,32 +324,32 @@ class TokenMap:
         return self.cu_seqlens is not None
 
     @classmethod
-    def from_padding_mask(cls, attention_mask: torch.Tensor, dtype, flash: bool) -> "TokenMap":
-        """A padded batch; any padding pattern (left, right, holes): a row's tokens attend to each other."""
+    def from_padding_mask(cls, attention_mask: torch.Tensor, row_lengths: list[int], dtype, flash: bool) -> "TokenMap":
+        """A padded batch; any padding pattern (left, right, holes): a row's tokens attend to each other.
+        row_lengths: each row's token count, read on the host once (every size below follows from it)."""
         keep = attention_mask.bool()
-        indices = keep.flatten().nonzero().squeeze(1)  # (T,) row-major, so each row's tokens are contiguous
-        return cls._from_lengths(tuple(keep.shape), indices, keep.sum(1), dtype, flash)
+        indices = keep.flatten().nonzero_static(size=sum(row_lengths)).squeeze(1)  # (T,) row-major: rows contiguous
+        return cls._from_lengths(tuple(keep.shape), indices, keep.sum(1), row_lengths, dtype, flash)
 
     @classmethod
     def from_packed(cls, total: int, starts: torch.Tensor, dtype, flash: bool) -> "TokenMap":
         """One row of `total` tokens holding sequences back to back; starts: (n,) their first indices."""
-        bounds = torch.cat([starts.long(), torch.tensor([total], device=starts.device)])  # (n + 1,)
-        return cls._from_lengths((1, total), None, bounds.diff(), dtype, flash)
+        lengths = torch.cat([starts.long(), torch.tensor([total], device=starts.device)]).diff()  # (n,)
+        return cls._from_lengths((1, total), None, lengths, lengths.tolist(), dtype, flash)
 
     @classmethod
-    def _from_lengths(cls, batch_shape, indices, lengths, dtype, flash) -> "TokenMap":
-        device, n = lengths.device, lengths.numel()
-        m = max(int(lengths.max()), 1)  # an all-padding batch keeps a grid of empty slots: finite, no special case
+    def _from_lengths(cls, batch_shape, indices, lengths, host_lengths, dtype, flash) -> "TokenMap":
+        device, n, total = lengths.device, len(host_lengths), sum(host_lengths)
+        m = max(max(host_lengths), 1)  # an all-padding batch keeps a grid of empty slots: finite, no special case
         cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))  # (n + 1,)
-        total = int(cu_seqlens[-1])
         common = dict(indices=indices, cu_seqlens=cu_seqlens.int(), max_seqlen=m)
         if flash:
             kwargs = dict(cu_seq_lens_q=common["cu_seqlens"], cu_seq_lens_k=common["cu_seqlens"], max_length_q=m, max_length_k=m)
             return cls(batch_shape, (1, total), attention_kwargs=kwargs, **common)
-        seq = torch.repeat_interleave(torch.arange(n, device=device), lengths)  # (T,) each token's sequence
+        seq = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=total)  # (T,) each token's sequence
         slot = torch.arange(total, device=device) - cu_seqlens[seq]  # (T,) its place in that sequence
         valid = torch.arange(m, device=device)[None, :] < lengths[:, None]  # (n, m)
-        mask = None if bool(valid.all()) else _additive_padding_mask(valid, dtype)  # (n, 1, 1, m)
+        mask = None if min(host_lengths) == m else _additive_padding_mask(valid, dtype)  # (n, 1, 1, m)
         return cls(batch_shape, (n, m), mask, grid_index=seq * m + slot, **common)
 
     def gather(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -599,26 +605,24 @@ class BertImplModel(BertImplPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    def _token_map(self, input_shape, attention_mask, position_ids, dtype, output_attentions, kwargs) -> TokenMap | None:
+    def _token_map(self, input_shape, attention_mask, row_lengths, position_ids, dtype, output_attentions, kwargs) -> TokenMap | None:
         """The real tokens' map (item 6), or None for the padded batch: nothing to unpad,
         `unpad_inputs=False`, probabilities asked for (eager needs the full square), a backend without a
         varlen route (flex), or compiling (the map has data-dependent shapes). Packed flash kwargs from
         `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` are taken out of `kwargs`."""
-        cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
-        for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
-            kwargs.pop(name, None)
+        cu_seqlens = [kwargs.pop(name, None) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")][0]
         impl = self.config._attn_implementation
         flash = _is_flash(impl)
         if not self.config.unpad_inputs or output_attentions or torch.compiler.is_compiling() or not (impl in ("eager", "sdpa") or flash):
             return None
         b, s = input_shape
-        if attention_mask is not None and not bool(attention_mask.all()):
-            return TokenMap.from_padding_mask(attention_mask, dtype, flash)
+        if row_lengths is not None and min(row_lengths) < s:
+            return TokenMap.from_padding_mask(attention_mask, row_lengths, dtype, flash)
         if b != 1:
             return None
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(torch.long).view(-1)
-            if int(cu_seqlens[-1]) != s or int(cu_seqlens[0]) != 0:
+            if cu_seqlens[[0, -1]].tolist() != [0, s]:
                 raise ValueError(
                     f"cu_seq_lens_q {cu_seqlens.tolist()} must run from 0 to the packed length {s}; pass the "
                     "collator's kwargs unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
@@ -630,7 +634,7 @@ class BertImplModel(BertImplPreTrainedModel):
             return None
         return TokenMap.from_packed(s, starts, dtype, flash) if starts.numel() > 1 else None
 
-    def _padded_token_map(self, attention_mask, embeddings, output_attentions, position_ids) -> TokenMap:
+    def _padded_token_map(self, attention_mask, padding, embeddings, output_attentions, position_ids) -> TokenMap:
         """The padded batch as its own grid, with the mask in the format the backend wants (None when
         there is nothing to mask: SDPA / flash take their fastest path)."""
         b, s = embeddings.shape[:2]
@@ -642,7 +646,7 @@ class BertImplModel(BertImplPreTrainedModel):
                 kwargs = {"position_ids": position_ids}
             elif compiling or _sequence_starts(position_ids).numel() > 1:
                 mask = _block_diagonal_mask(position_ids, embeddings.dtype)
-        elif attention_mask is not None and (compiling or not bool(attention_mask.all())):
+        elif padding:
             if output_attentions or impl in ("eager", "sdpa"):
                 mask = _additive_padding_mask(attention_mask, embeddings.dtype)
             else:  # flash_attention_2 takes the 2-D mask (and unpads), flex_attention a BlockMask
@@ -659,13 +663,16 @@ class BertImplModel(BertImplPreTrainedModel):
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         b, s = input_shape = self._check_model_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         dtype = self.embeddings.word_embeddings.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
-        tokens = self._token_map(input_shape, attention_mask, position_ids, dtype, output_attentions, kwargs)
+        # each row's token count: the forward's one host read of the mask (a sync on an accelerator)
+        row_lengths = None if attention_mask is None or torch.compiler.is_compiling() else attention_mask.bool().sum(1).tolist()
+        padding = attention_mask is not None and (row_lengths is None or min(row_lengths) < s)
+        tokens = self._token_map(input_shape, attention_mask, row_lengths, position_ids, dtype, output_attentions, kwargs)
         if tokens is not None and position_ids is None:  # real tokens keep their places in their rows
             position_ids = torch.arange(s, device=(input_ids if input_ids is not None else inputs_embeds).device)[None]  # (1, s)
         gather = tokens.gather if tokens is not None else (lambda t: t)
         hidden_states = self.embeddings(gather(input_ids), gather(token_type_ids), gather(position_ids), gather(inputs_embeds))
         if tokens is None:
-            tokens = self._padded_token_map(attention_mask, hidden_states, output_attentions, position_ids)
+            tokens = self._padded_token_map(attention_mask, padding, hidden_states, output_attentions, position_ids)
         # hidden_states: (b, s, H) for the padded batch, (1, T, H) for the real tokens
         all_hidden = (tokens.scatter(hidden_states),) if output_hidden_states else None
         all_attentions = () if output_attentions else None
@@ -768,10 +775,8 @@ class BertImplForPreTraining(_BertImplMLMHeadModel):
             if num_items_in_batch is not None:
                 nsp = nsp * labels.ne(IGNORE_INDEX).sum() / num_items_in_batch
             loss = loss + nsp
-        return BertImplForPreTrainingOutput(
-            loss=loss, prediction_logits=prediction_logits, seq_relationship_logits=nsp_logits,
-            hidden_states=out.hidden_states, attentions=out.attentions,
-        )
+        return BertImplForPreTrainingOutput(loss=loss, prediction_logits=prediction_logits, seq_relationship_logits=nsp_logits,
+                                            hidden_states=out.hidden_states, attentions=out.attentions)
 
 
 class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
@@ -862,9 +867,8 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
-        return QuestionAnsweringModelOutput(
-            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=out.hidden_states, attentions=out.attentions
-        )
+        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                                            hidden_states=out.hidden_states, attentions=out.attentions)
 
 
 class BertImplForMultipleChoice(BertImplPreTrainedModel):

@@ -115,7 +115,7 @@ def test_multihead_matches_seed_reference(debug_config, batch, backend):
         got, _ = ours(x, TokenMap((b, s), (b, s), mask))  # the padded batch: the grid is the batch
         want = seed(x, mask)
         # the real tokens only (1, T, H), attention on a compact grid of the sequences
-        real = TokenMap.from_padding_mask(attention_mask, x.dtype, flash=False)
+        real = TokenMap.from_padding_mask(attention_mask, attention_mask.sum(1).tolist(), x.dtype, flash=False)
         got_real, _ = ours(real.gather(x), real)
     assert (got - want).abs().max().item() <= 1e-5
     assert (real.scatter(got_real) - want)[attention_mask.bool()].abs().max().item() <= 1e-5

@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, DataCollatorWithFlattening
 
 from hf_bert_impl import BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
@@ -247,6 +248,92 @@ def test_input_checks_on_a_non_cpu_device_do_not_read_values(debug_config, monke
     ids = torch.ones(2, 5, dtype=torch.long, device="meta")
     model._check_model_inputs(ids, torch.ones(2, 5, dtype=torch.long, device="meta"), ids, None, None)
     assert recorded == ["meta", "meta", "meta"]
+
+
+class _HostReads(TorchDispatchMode):
+    """Records every op of a forward that makes the host wait for an accelerator: reading a value
+    (int(), bool(), .item() -> _local_scalar_dense; .tolist(), counted by `count_host_reads`) and ops
+    whose output size depends on the values (nonzero, unique, masked_select, repeat_interleave without
+    output_size). nonzero_static and repeat_interleave with output_size are not syncs."""
+
+    SIZE_FROM_VALUES = ("aten.nonzero.default", "aten.masked_select.default", "aten._unique2.default",
+                        "aten.unique_dim.default", "aten.unique_consecutive.default")
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if (name == "aten._local_scalar_dense.default" or name in self.SIZE_FROM_VALUES
+                or name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None):
+            self.reads.append(name)
+        return func(*args, **kwargs)
+
+
+def _count_host_reads(model, monkeypatch, **inputs) -> list[str]:
+    """The host reads of one forward of `model`, ours taking its accelerator branch (no value read by
+    the input checks: `_values_on_host` is False, the device asserts are recorded, not run)."""
+    monkeypatch.setattr(mb, "_values_on_host", lambda t: False)
+    monkeypatch.setattr(mb, "_device_assert", lambda cond, msg: None)
+    mode = _HostReads()
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: mode.reads.append("Tensor.tolist") or tolist(t))
+    with torch.no_grad(), mode:
+        model(**inputs)
+    monkeypatch.undo()
+    return mode.reads
+
+
+@pytest.mark.parametrize("position_type", ["sinusoidal", "learned"])
+@pytest.mark.parametrize("unpad", [True, False])
+def test_a_forward_waits_for_the_device_no_more_often_than_transformers(debug_config, batch, position_type, unpad, monkeypatch):
+    """Host syncs per forward on an accelerator, counted op by op: without a mask none (transformers:
+    none), with a mask one (transformers: one, its all-ones check), whatever the padding and however
+    many layers: the mask is read on the host once, every size of the unpadded layout follows from it."""
+    from transformers import BertConfig, BertModel
+
+    input_ids, attention_mask, token_type_ids = batch
+    masks = {"no mask": None, "all ones": torch.ones_like(attention_mask), "padded": attention_mask}
+    counts = {}
+    for layers in (1, 3):
+        ours = BertImplModel(debug_config(num_hidden_layers=layers, position_embedding_type=position_type, unpad_inputs=unpad)).eval()
+        c = ours.config
+        hf = BertModel(BertConfig(vocab_size=VOCAB, hidden_size=c.hidden_size, num_hidden_layers=layers, intermediate_size=c.intermediate_size,
+                                  num_attention_heads=c.num_attention_heads, attn_implementation="sdpa")).eval()
+        for name, mask in masks.items():
+            inputs = dict(input_ids=input_ids, token_type_ids=token_type_ids, **({} if mask is None else {"attention_mask": mask}))
+            counts[layers, name] = (_count_host_reads(ours, monkeypatch, **inputs), _count_host_reads(hf, monkeypatch, **inputs))
+    for (layers, name), (got, theirs) in counts.items():
+        assert len(got) <= len(theirs), (layers, name, got, theirs)
+        assert len(got) == (0 if name == "no mask" else 1), (layers, name, got)
+        assert got == counts[1, name][0]  # none per layer
+    assert counts[1, "padded"][0] == ["Tensor.tolist"]
+
+
+def test_sinusoidal_positions_without_reading_them_come_from_the_formula(debug_config, monkeypatch):
+    """Where reading the largest position id would be a host sync (an accelerator), the encoding is
+    computed at each given position on the device instead of looked up: the same rows as the stored
+    table (float32, 1e-6), past its end too; positions the model builds itself (0 .. s-1) are looked up."""
+    model = BertImplModel(debug_config(max_position_embeddings=16)).eval()
+    H = model.config.hidden_size
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.stack([torch.arange(12), torch.arange(15, 3, -1)])  # (2, 12), all inside the 16 rows
+    calls = []
+    formula = mb._sinusoid
+    monkeypatch.setattr(mb, "_sinusoid", lambda pos, dim: calls.append(tuple(pos.shape)) or formula(pos, dim))
+    with torch.no_grad():
+        looked_up = model.embeddings(ids, position_ids=position_ids)
+        assert calls == []
+        monkeypatch.setattr(mb, "_values_on_host", lambda t: False)
+        computed = model.embeddings(ids, position_ids=position_ids)
+        assert calls == [(2, 12)]
+        model.embeddings(ids)  # built positions: known to fit, no formula
+        assert calls == [(2, 12)]
+    assert (computed - looked_up).abs().max().item() <= 1e-6
+    far = torch.tensor([[0, 15, 16, 100, 511]])
+    assert (formula(far, H) - mb.sinusoidal_position_encoding(512, H)[far]).abs().max().item() <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------------
