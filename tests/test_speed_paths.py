@@ -798,7 +798,7 @@ def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     (["--size", "huge"], "--size must be tiny or base, got 'huge'"),
     (["--workloads", "fixed,train"], "--workloads takes a comma-separated subset of fixed,mixed,mlm"),
     (["--seq_len", "1000"], "--seq_len must be in [8, 512]"),
-    (["--dtype", "fp16"], "--dtype must be one of ['bf16', 'fp32'], got 'fp16'"),
+    (["--dtype", "fp16"], "--dtype must be one of ['autocast', 'bf16', 'fp32'], got 'fp16'"),
     (["--onednn_linear", "maybe"], "--onednn_linear must be auto, true or false, got 'maybe'"),
     (["--against", "tensorrt"], "--against must be transformers or onnxruntime, got 'tensorrt'"),
     (["--against", "onnxruntime", "--dtype", "bf16"], "--against onnxruntime runs on the CPU in fp32"),
