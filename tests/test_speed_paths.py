@@ -773,6 +773,18 @@ def test_benchmark_dense_mlm_step_checks_full_logits(tmp_path):
     assert "| sdpa | mlm_dense |" in result["markdown_table"]
 
 
+def test_benchmark_under_bf16_autocast(tmp_path):
+    """--dtype autocast: float32 weights, every forward under bf16 autocast; the outputs are checked
+    against float32 first (ours within 3x transformers' own bf16 error, which must be non-zero: bf16
+    ran), MFU is against the bf16 matmul peak and the bf16 targets apply."""
+    result = _tiny_benchmark(tmp_path, "--dtype", "autocast", "--workloads", "fixed,mixed,mlm_dense", "--memory", "false")
+    checks = result["backends"]["sdpa"]["checks"]
+    for name in ("fixed", "mixed"):
+        assert 0 < checks[f"{name}_hf_bf16_err"] and checks[f"{name}_ours_bf16_err"] <= 3 * checks[f"{name}_hf_bf16_err"], checks
+    assert set(result["backends"]["sdpa"]["workloads"]) == {"fixed", "mixed", "mlm_dense"}
+    assert "| sdpa | fixed |" in result["markdown_table"] and ">= 1.3x" in result["markdown_table"]
+
+
 def test_benchmark_against_onnxruntime(tmp_path):
     """transformers' BERT and ours exported to ONNX, checked (<= 1e-4) and timed against ours."""
     pytest.importorskip("onnxruntime")
