@@ -165,23 +165,24 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 
 class BertImplLinear(nn.Linear):
-    """nn.Linear on oneDNN where `linear_kernel(config.onednn_linear)` says so. Per call only what can
-    change is looked at: the dtype and device (a model is moved, cast, or built on meta and loaded), plain
-    tensors, autocast, and graph capture (compile, tracing and export take nn.Linear's own op)."""
+    """nn.Linear on oneDNN where `linear_kernel(config.onednn_linear)` says so. Per call only what can change is
+    looked at: dtype and device (a model is moved, cast, or built on meta and loaded), plain tensors, CPU autocast
+    (to bfloat16: the GEMM in bfloat16 on either path; other dtypes: nn.Linear's op) and graph capture (nn.Linear's op)."""
 
     def __init__(self, config: BertImplConfig, in_features: int, out_features: int):
         super().__init__(in_features, out_features)
         self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w, b, autocast = self.weight, self.bias, torch.is_autocast_enabled("cpu")
+        dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype  # the dtype the GEMM runs in
         eager = not (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
-                     or torch.onnx.is_in_onnx_export() or torch.is_autocast_enabled("cpu"))
-        if (eager and x.dtype == w.dtype in _ONEDNN_DTYPES and w.device.type == "cpu" and x.numel() > 0
-                and type(x) is torch.Tensor and type(w) in (torch.Tensor, nn.Parameter)
+                     or torch.onnx.is_in_onnx_export())
+        if (eager and dtype in _ONEDNN_DTYPES and (x.dtype == w.dtype or autocast and {x.dtype, w.dtype} <= {*_ONEDNN_DTYPES})
+                and w.device.type == "cpu" and x.numel() > 0 and type(x) is torch.Tensor and type(w) in (torch.Tensor, nn.Parameter)
                 and linear_kernel(self.config.onednn_linear) == "onednn"):
-            return _OneDNNLinearFunction.apply(x, w, self.bias)
-        return F.linear(x, w, self.bias)
+            return _OneDNNLinearFunction.apply(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+        return F.linear(x, w, b)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -611,8 +612,7 @@ class BertImplModel(BertImplPreTrainedModel):
         varlen route (flex), or compiling (the map has data-dependent shapes). Packed flash kwargs from
         `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` are taken out of `kwargs`."""
         cu_seqlens = [kwargs.pop(name, None) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")][0]
-        impl = self.config._attn_implementation
-        flash = _is_flash(impl)
+        impl, flash = self.config._attn_implementation, _is_flash(self.config._attn_implementation)
         if not self.config.unpad_inputs or output_attentions or torch.compiler.is_compiling() or not (impl in ("eager", "sdpa") or flash):
             return None
         b, s = input_shape

@@ -120,6 +120,40 @@ def test_onednn_linear_in_bfloat16_matches_nn_linear(debug_config, monkeypatch):
         assert (mine - exact).abs().max() <= 3 * (theirs - exact).abs().max() + 1e-6
 
 
+@pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
+def test_onednn_linear_under_bfloat16_autocast(debug_config, batch, monkeypatch):
+    """Under torch.autocast("cpu", bfloat16) (Trainer's --bf16 on a CPU) the oneDNN branch runs every
+    linear layer in bfloat16 from the float32 weights, as nn.Linear's op does under autocast: the same
+    output dtype, and the MLM loss, the logits and every weight's gradient within 3x the nn.Linear
+    path's own error against float32 without autocast. Under float16 autocast nn.Linear's op runs."""
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config(onednn_linear=True))
+    blas = copy.deepcopy(model)
+    blas.config.onednn_linear = False
+    exact = copy.deepcopy(blas)
+    calls = []
+    apply = mb._OneDNNLinearFunction.apply
+    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(a[0].dtype) or apply(*a))
+    input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+    results = {}
+    for name, m, enabled in (("onednn", model, True), ("linear", blas, True), ("fp32", exact, False)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = m(**inputs)
+        out.loss.backward()
+        results[name] = [out.loss.float(), out.logits.float()] + [p.grad for p in m.parameters()]
+        assert out.logits.dtype == (torch.bfloat16 if enabled else torch.float32)
+    linear_layers = 4 * model.config.num_hidden_layers + 2  # Wqkv, Wo, Wi, Wo per layer; the head's dense and decoder
+    assert calls == [torch.bfloat16] * linear_layers
+    names = ["loss", "logits"] + [n for n, _ in model.named_parameters()]
+    for name, mine, theirs, ref in zip(names, results["onednn"], results["linear"], results["fp32"]):
+        assert (mine - ref).abs().max() <= 3 * (theirs - ref).abs().max() + 1e-6, name
+    calls.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        model(**inputs)
+    assert calls == []
+
+
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
 def test_linear_kernel_is_chosen_by_cpu_vendor_and_forceable(vendor, monkeypatch):
     """"auto": oneDNN on AMD (MKL's fp32 GEMM is slow there), torch's BLAS on Intel (the oneDNN
