@@ -184,6 +184,8 @@ def machine_record(device=None) -> dict:
     import torch
     import transformers
 
+    from . import __version__
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:  # lscpu's "Model name"
@@ -191,7 +193,8 @@ def machine_record(device=None) -> dict:
     except (OSError, StopIteration):
         pass
     info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "hf_bert_impl": __version__}
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     try:
