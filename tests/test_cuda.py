@@ -18,6 +18,8 @@ What is checked, each test against transformers' Bert* class holding the same we
   - output_attentions (real probabilities, equal to transformers' eager ones);
   - torch.compile (fullgraph, dynamic) with no recompile across batch shapes, inference and training;
   - gradient checkpointing on the unpadded path;
+  - host syncs per forward (torch.cuda's sync debug mode): none without a mask, one with a mask,
+    never more than transformers';
   - Trainer with bf16: mean per-step loss deviation within 3x transformers' own bf16 deviation.
 
 Sizes: on CUDA the "mini" preset (hidden 256, 4 layers, 4 heads of 64, so flash-attention takes it),
@@ -31,6 +33,7 @@ max(1, max |gradient|) of each tensor.
 
 import copy
 import os
+import warnings
 from contextlib import ExitStack, nullcontext
 
 import pytest
@@ -241,6 +244,37 @@ def test_encoder_bf16_within_3x_transformers_error(backend, layout, mode):
     print(f"\n[{DEVICE.type} {backend} {layout} {mode}] max|bf16 - fp32|: ours {err_ours:.3e}, transformers {err_hf:.3e}")
     assert err_hf > 0, "transformers' bf16 run equals float32: bf16 did not run"
     assert err_ours <= 3 * err_hf, f"ours {err_ours:.3e} > 3 x transformers' {err_hf:.3e}"
+
+
+def host_syncs(model, inputs, monkeypatch) -> list[str]:
+    """The host syncs of one forward: on CUDA what torch's sync debug mode reports; on the CPU dry run
+    the ops that would be one (tests/test_speed_paths.py's counter, ours on its accelerator branch)."""
+    if not ON_CUDA:
+        from .test_speed_paths import _count_host_reads
+
+        return _count_host_reads(model, monkeypatch, **inputs)
+    torch.cuda.synchronize(DEVICE)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model(**inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("layout", ["no mask", "full", "padded", "mixed"])
+def test_a_forward_syncs_no_more_often_than_transformers(layout, monkeypatch):
+    hf, ours = make_pair("BertModel", "sdpa")
+    inputs, _ = make_inputs("full" if layout == "no mask" else layout)
+    if layout == "no mask":
+        inputs.pop("attention_mask")
+    with torch.no_grad():  # first calls pick kernels and fill caches: not what every forward costs
+        hf(**inputs), ours(**inputs)
+    got, theirs = host_syncs(ours, inputs, monkeypatch), host_syncs(hf, inputs, monkeypatch)
+    print(f"\n[{DEVICE.type} {layout}] host syncs per forward: ours {len(got)}, transformers {len(theirs)}")
+    assert len(got) <= len(theirs) and len(got) == (0 if layout == "no mask" else 1), (got, theirs)
 
 
 # ---------------------------------------------------------------------------------------------
