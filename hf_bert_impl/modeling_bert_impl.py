@@ -606,21 +606,21 @@ class BertImplModel(BertImplPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    def _token_map(self, input_shape, attention_mask, row_lengths, position_ids, dtype, output_attentions, kwargs) -> TokenMap | None:
+    def _token_map(self, input_shape, attention_mask, row_lengths, padding, position_ids, dtype, output_attentions, kwargs):
         """The real tokens' map (item 6), or None for the padded batch: nothing to unpad,
         `unpad_inputs=False`, probabilities asked for (eager needs the full square), a backend without a
         varlen route (flex), or compiling (the map has data-dependent shapes). Packed flash kwargs from
         `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` are taken out of `kwargs`."""
-        cu_seqlens = [kwargs.pop(name, None) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")][0]
+        packed = {name: kwargs.pop(name, None) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
         impl, flash = self.config._attn_implementation, _is_flash(self.config._attn_implementation)
         if not self.config.unpad_inputs or output_attentions or torch.compiler.is_compiling() or not (impl in ("eager", "sdpa") or flash):
             return None
         b, s = input_shape
-        if row_lengths is not None and min(row_lengths) < s:
+        if padding:  # row_lengths is known: only compiling leaves it None, and that returned above
             return TokenMap.from_padding_mask(attention_mask, row_lengths, dtype, flash)
         if b != 1:
             return None
-        if cu_seqlens is not None:
+        if (cu_seqlens := packed["cu_seq_lens_q"]) is not None:
             cu_seqlens = cu_seqlens.to(torch.long).view(-1)
             if cu_seqlens[[0, -1]].tolist() != [0, s]:
                 raise ValueError(
@@ -666,7 +666,7 @@ class BertImplModel(BertImplPreTrainedModel):
         # each row's token count: the forward's one host read of the mask (a sync on an accelerator)
         row_lengths = None if attention_mask is None or torch.compiler.is_compiling() else attention_mask.bool().sum(1).tolist()
         padding = attention_mask is not None and (row_lengths is None or min(row_lengths) < s)
-        tokens = self._token_map(input_shape, attention_mask, row_lengths, position_ids, dtype, output_attentions, kwargs)
+        tokens = self._token_map(input_shape, attention_mask, row_lengths, padding, position_ids, dtype, output_attentions, kwargs)
         if tokens is not None and position_ids is None:  # real tokens keep their places in their rows
             position_ids = torch.arange(s, device=(input_ids if input_ids is not None else inputs_embeds).device)[None]  # (1, s)
         gather = tokens.gather if tokens is not None else (lambda t: t)
