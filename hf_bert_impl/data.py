@@ -169,14 +169,31 @@ EMBEDDED_TASKS = {"statement_topic": statement_topic_task, "word_order": word_or
 def train_wordpiece_tokenizer(texts, vocab_size: int = 8000, min_frequency: int = 2) -> BertTokenizerFast:
     """A WordPiece tokenizer trained on `texts` with `tokenizers`, BERT's pipeline (lower-casing,
     accent stripping, punctuation splitting, [CLS] A [SEP] B [SEP]); returned as a
-    `BertTokenizerFast` so `save_pretrained` writes files `AutoTokenizer` loads."""
+    `BertTokenizerFast` so `save_pretrained` writes files `AutoTokenizer` loads.
+
+    The same texts give the same vocabulary on every run. `tokenizers`' trainer numbers the
+    continuing-subword tokens ("##a", "##b", ...) in hash-map order as it meets them, and those
+    numbers break the ties between equally frequent merges, so on its own it learns a slightly
+    different vocabulary from run to run (huggingface/tokenizers#1794). Here the alphabet and
+    those tokens are handed to the trainer up front, after the special tokens, each sorted by code
+    point: the same tokens it would create (a character, and "##" + each character seen after the
+    first of a word), in the order it gives the alphabet. They stay ordinary vocabulary entries of
+    the returned tokenizer; its special tokens are the five of BERT."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    texts = list(texts)  # read twice: once for the characters, once by the trainer
+    alphabet, continuing = set(), set()
+    for text in texts:
+        for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text)):
+            alphabet.update(word)
+            continuing.update(word[1:])
+    fixed_order = sorted(alphabet) + ["##" + char for char in sorted(continuing)]
     trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS, show_progress=False
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS + fixed_order,
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     # BertTokenizerFast builds the same normalizer / pre-tokenizer / post-processor from the vocabulary.

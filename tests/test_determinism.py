@@ -1,6 +1,7 @@
 """Determinism: the same seed gives bit-identical initial weights (in this process and in a fresh
 one) and, on CPU, bit-identical losses and weights over 10 Trainer steps with dropout on. A
-different seed gives different numbers, so the equalities below can fail."""
+different seed gives different numbers, so the equalities below can fail. The WordPiece tokenizer
+trained on the same texts is the same on every run (tokenizers' own trainer is not)."""
 
 import hashlib
 import os
@@ -13,6 +14,7 @@ from datasets import Dataset
 from transformers import Trainer, TrainingArguments, set_seed
 
 from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
+from hf_bert_impl.data import SPECIAL_TOKENS, default_corpus_dataset, train_wordpiece_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 99
@@ -91,3 +93,44 @@ def test_same_seed_same_losses_for_10_cpu_steps(tmp_path):
     assert losses_a[:2] != losses_c
     assert len(set(losses_a)) > 1  # it trained: the loss moved
     print("losses, seed 3:", losses_a)
+
+
+def test_the_wordpiece_tokenizer_is_the_same_on_every_run():
+    """tokenizers' WordPieceTrainer numbers its "##x" tokens in hash-map order, so on the demo's
+    corpus and vocabulary size four runs gave four different vocabularies (2814 or 2815 tokens;
+    huggingface/tokenizers#1794). `train_wordpiece_tokenizer` fixes that order: three runs must give
+    the same token -> id map, holding the same characters and "##" characters as the library's own
+    trainer, with BERT's five special tokens and nothing else special."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    texts = [t for t in default_corpus_dataset()["train"]["text"] if isinstance(t, str)]
+    runs = [train_wordpiece_tokenizer(texts, vocab_size=4000) for _ in range(3)]
+    vocab = runs[0].get_vocab()
+    assert all(run.get_vocab() == vocab for run in runs[1:])
+    assert set(runs[0].all_special_tokens) == set(SPECIAL_TOKENS)
+    assert [vocab[t] for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+
+    library = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    library.normalizer = normalizers.BertNormalizer(lowercase=True)
+    library.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    library.train_from_iterator(texts, trainers.WordPieceTrainer(
+        vocab_size=4000, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False))
+
+    def characters(v):
+        return {t for t in v if len(t.removeprefix("##")) == 1}
+
+    assert characters(vocab) == characters(library.get_vocab())
+    assert abs(len(vocab) - library.get_vocab_size()) <= 5, (len(vocab), library.get_vocab_size())
+    # It tokenizes as a WordPiece tokenizer: no [UNK], and the pieces put back together are the words.
+    sentence = " ".join(texts[:20])
+    backend = runs[0].backend_tokenizer
+    words = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(sentence))]
+    pieces = runs[0].convert_ids_to_tokens(runs[0](sentence, add_special_tokens=False)["input_ids"])
+    assert "[UNK]" not in pieces and len(pieces) > len(words)  # some words are split
+    rebuilt = []
+    for piece in pieces:
+        if piece.startswith("##"):
+            rebuilt[-1] += piece[2:]
+        else:
+            rebuilt.append(piece)
+    assert rebuilt == words
