@@ -447,6 +447,8 @@ def main(argv: list[str] | None = None) -> dict:
     evaluation = encoded[eval_splits[0]] if eval_splits else None
     if evaluation is not None and eval_splits[0] != "validation":
         logger.info("evaluating on %s (%s reported after training)", eval_splits[0], ", ".join(eval_splits[1:]) or "nothing else")
+    # Saved with the model: whoever loads the directory (AutoTokenizer, pipeline) truncates as training did.
+    tokenizer.model_max_length = min(tokenizer.model_max_length, data_args.max_seq_length)
     trainer = Trainer(
         model=model,
         args=training_args,

@@ -283,6 +283,13 @@ def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_pa
     predictions = read_jsonl(out / "predictions.jsonl")
     assert [p["sentence"] for p in predictions] == task["test"]["sentence"]
     assert [p["label"] for p in predictions] == [["other", "statement"][y] for y in task["test"]["label"]]
+    # The saved tokenizer truncates as fine-tuning did, so the reload below sees the same 48 tokens
+    # (some test sentences are longer: without it, a reload predicted one of 143 rows differently).
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(out)
+    assert saved.model_max_length == 48
+    assert max(len(ids) for ids in saved(list(task["test"]["sentence"]), truncation=True)["input_ids"]) == 48
 
     data_file = tmp_path / "test.jsonl"
     task["test"].to_json(str(data_file))
