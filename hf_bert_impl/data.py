@@ -169,7 +169,9 @@ EMBEDDED_TASKS = {"statement_topic": statement_topic_task, "word_order": word_or
 def train_wordpiece_tokenizer(texts, vocab_size: int = 8000, min_frequency: int = 2) -> BertTokenizerFast:
     """A WordPiece tokenizer trained on `texts` with `tokenizers`, BERT's pipeline (lower-casing,
     accent stripping, punctuation splitting, [CLS] A [SEP] B [SEP]); returned as a
-    `BertTokenizerFast` so `save_pretrained` writes files `AutoTokenizer` loads.
+    `BertTokenizerFast` so `save_pretrained` writes files `AutoTokenizer` loads. `texts`: any
+    iterable of strings (a dataset column, a list; a generator is kept in memory, as the texts are
+    read twice); other values (None) are skipped.
 
     The same texts give the same vocabulary on every run. `tokenizers`' trainer numbers the
     continuing-subword tokens ("##a", "##b", ...) in hash-map order as it meets them, and those
@@ -184,9 +186,14 @@ def train_wordpiece_tokenizer(texts, vocab_size: int = 8000, min_frequency: int 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    texts = list(texts)  # read twice: once for the characters, once by the trainer
+    if iter(texts) is texts:  # a one-shot iterator (a generator): kept, as it is read twice
+        texts = list(texts)
+
+    def strings():  # the texts, once more; rows without text (None) skipped
+        return (t for t in texts if isinstance(t, str))
+
     alphabet, continuing = set(), set()
-    for text in texts:
+    for text in strings():
         for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text)):
             alphabet.update(word)
             continuing.update(word[1:])
@@ -195,7 +202,7 @@ def train_wordpiece_tokenizer(texts, vocab_size: int = 8000, min_frequency: int 
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS + fixed_order,
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator(strings(), trainer=trainer)
     # BertTokenizerFast builds the same normalizer / pre-tokenizer / post-processor from the vocabulary.
     return BertTokenizerFast(vocab=tok.get_vocab(), do_lower_case=True)
 

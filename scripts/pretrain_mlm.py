@@ -215,7 +215,7 @@ def load_tokenizer(model_args: ModelArguments, raw, text_column: str, resume_dir
                 texts = (row[text_column] for row in raw["train"].take(model_args.tokenizer_train_samples))
             else:
                 logger.info("training a WordPiece tokenizer (vocab %d) on the training texts", model_args.tokenizer_vocab_size)
-                texts = (t for t in raw["train"][text_column] if isinstance(t, str))
+                texts = raw["train"][text_column]  # a column, read as it is needed
             tokenizer = D.train_wordpiece_tokenizer(texts, vocab_size=model_args.tokenizer_vocab_size)
             if training_args.process_index == 0:
                 out.mkdir(parents=True, exist_ok=True)

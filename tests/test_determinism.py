@@ -98,13 +98,15 @@ def test_same_seed_same_losses_for_10_cpu_steps(tmp_path):
 def test_the_wordpiece_tokenizer_is_the_same_on_every_run():
     """tokenizers' WordPieceTrainer numbers its "##x" tokens in hash-map order, so on the demo's
     corpus and vocabulary size four runs gave four different vocabularies (2814 or 2815 tokens;
-    huggingface/tokenizers#1794). `train_wordpiece_tokenizer` fixes that order: three runs must give
-    the same token -> id map, holding the same characters and "##" characters as the library's own
+    huggingface/tokenizers#1794). `train_wordpiece_tokenizer` fixes that order: three runs (the texts
+    given three ways) must give the same token -> id map, holding the same characters and "##" characters as the library's own
     trainer, with BERT's five special tokens and nothing else special."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-    texts = [t for t in default_corpus_dataset()["train"]["text"] if isinstance(t, str)]
-    runs = [train_wordpiece_tokenizer(texts, vocab_size=4000) for _ in range(3)]
+    column = default_corpus_dataset()["train"]["text"]
+    texts = [t for t in column if isinstance(t, str)]
+    # three runs, from a dataset column (read twice), a generator (kept) and a list with an empty row
+    runs = [train_wordpiece_tokenizer(source, vocab_size=4000) for source in (column, iter(texts), texts + [None])]
     vocab = runs[0].get_vocab()
     assert all(run.get_vocab() == vocab for run in runs[1:])
     assert set(runs[0].all_special_tokens) == set(SPECIAL_TOKENS)
