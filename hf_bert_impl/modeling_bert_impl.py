@@ -115,6 +115,7 @@ if torch.float32 not in _ONEDNN_DTYPES:
 # "auto" by CPU vendor, as measured: on AMD EPYC MKL's fp32 GEMM takes a slow path and oneDNN is ~2x
 # faster; on Intel MKL wins, so Intel and any CPU not measured keep torch's own BLAS, as transformers does.
 _AUTO_KERNEL_BY_VENDOR = {"AuthenticAMD": "onednn"}
+_PER_SEQUENCE_DEVICES = ("cpu",)  # where unpadded sequences attend one call each, not on a masked grid (`TokenMap`)
 
 
 def _cpu_vendor() -> str:
@@ -279,12 +280,10 @@ class BertImplEmbeddings(nn.Module):
         """ids: (b, s), position_ids (b|1, s), inputs_embeds (b, s, H) -> (b, s, H)."""
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)  # (b, s, H)
-        b, s = inputs_embeds.shape[:2]
+        s = inputs_embeds.size(1)
         built = position_ids is None  # then the positions are 0 .. s-1, known without reading them
         if built:
             position_ids = torch.arange(s, device=inputs_embeds.device).unsqueeze(0)  # (1, s)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros((b, s), dtype=torch.long, device=inputs_embeds.device)
         dtype = self.word_embeddings.weight.dtype
         if self.config.position_embedding_type == "learned":
             positions = self.position_embeddings(position_ids)  # (b|1, s, H)
@@ -295,7 +294,8 @@ class BertImplEmbeddings(nn.Module):
                 not position_ids.numel() or int(position_ids.max()) < P)
             positions = (F.embedding(position_ids, self.position_encoding.to(dtype)) if stored
                          else _sinusoid(position_ids, self.config.hidden_size).to(dtype))  # (b|1, s, H)
-        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids) + positions
+        types = self.token_type_embeddings.weight[0] if token_type_ids is None else self.token_type_embeddings(token_type_ids)
+        embeddings = inputs_embeds + types + positions  # no token types given: all type 0
         return self.dropout(self.LayerNorm(embeddings))  # (b, s, H)
 
 
@@ -306,9 +306,10 @@ class TokenMap:
     The layers run on the padded batch (b, s, H), or on its T real tokens (1, T, H) with each sequence
     contiguous; `indices` (T,) are their places in the flattened (b*s) batch (None: every position).
     Attention sees them as `grid` (n, m), n sequences of m slots, with `mask` (additive, or the
-    backend's format) or None. The padded batch is its own grid (b, s); real tokens go to slots
-    `grid_index` (T,) of a compact grid (m = the longest), or for flash-attention stay a (1, T) grid
-    with cu_seqlens (n + 1,) and max_seqlen in `attention_kwargs` (varlen).
+    backend's format) or None. The padded batch is its own grid (b, s). Real tokens stay a (1, T) grid
+    and attend per sequence: one unmasked call each of `seq_lengths` on CPU (no work on padding),
+    cu_seqlens (n + 1,) and max_seqlen in `attention_kwargs` for flash-attention (varlen); elsewhere
+    they go to slots `grid_index` (T,) of a compact masked grid (m = the longest).
     """
 
     batch_shape: tuple[int, int]
@@ -316,13 +317,10 @@ class TokenMap:
     mask: object = None
     indices: torch.Tensor | None = None
     grid_index: torch.Tensor | None = None
+    seq_lengths: tuple[int, ...] | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
     attention_kwargs: dict = field(default_factory=dict)
-
-    @property
-    def unpadded(self) -> bool:
-        return self.cu_seqlens is not None
 
     @classmethod
     def from_padding_mask(cls, attention_mask: torch.Tensor, row_lengths: list[int], dtype, flash: bool) -> "TokenMap":
@@ -347,6 +345,8 @@ class TokenMap:
         if flash:
             kwargs = dict(cu_seq_lens_q=common["cu_seqlens"], cu_seq_lens_k=common["cu_seqlens"], max_length_q=m, max_length_k=m)
             return cls(batch_shape, (1, total), attention_kwargs=kwargs, **common)
+        if device.type in _PER_SEQUENCE_DEVICES and total:  # empty rows have nothing to attend
+            return cls(batch_shape, (1, total), seq_lengths=tuple(length for length in host_lengths if length), **common)
         seq = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=total)  # (T,) each token's sequence
         slot = torch.arange(total, device=device) - cu_seqlens[seq]  # (T,) its place in that sequence
         valid = torch.arange(m, device=device)[None, :] < lengths[:, None]  # (n, m)
@@ -424,12 +424,12 @@ class BertImplSelfAttention(nn.Module):
         qkv = self.Wqkv(hidden_states)  # (b, s, 3H) or (1, T, 3H)
         if tokens.grid_index is not None:  # each real token into its slot of the (n, m) grid
             qkv = qkv.new_zeros(n * m, 3 * h * d).index_copy(0, tokens.grid_index, qkv.view(-1, 3 * h * d))  # (n*m, 3H)
-        q, k, v = qkv.view(n, m, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n, h, m, d)
+        parts = qkv.split(tokens.seq_lengths, dim=1) if tokens.seq_lengths is not None else (qkv.view(n, m, 3 * h * d),)
         impl = "eager" if output_attentions else self.config._attn_implementation  # eager materialises probabilities
-        out, probs = _attention_function(impl)(
-            self, q, k, v, tokens.mask, scaling=self.scaling, dropout=self.attention_dropout if self.training else 0.0,
-            **tokens.attention_kwargs, **kwargs,
-        )  # out: (n, m, h, d)
+        outs = [_attention_function(impl)(self, *part.unflatten(-1, (3, h, d)).permute(2, 0, 3, 1, 4), tokens.mask, scaling=self.scaling,
+                                          dropout=self.attention_dropout if self.training else 0.0, **tokens.attention_kwargs, **kwargs)
+                for part in parts]  # one call on the (n, m) grid or one per sequence (1, L): q, k, v (n, h, m, d) -> (out, probs)
+        out, probs = outs[0] if len(outs) == 1 else (torch.cat([o for o, _ in outs], 1), None)  # out: (n, m, h, d)
         if tokens.grid_index is not None:  # from the grid's slots back to the real tokens
             out = out.reshape(n * m, h * d).index_select(0, tokens.grid_index)  # (T, H)
         return self.Wo(out.reshape(hidden_states.shape)), probs  # like hidden_states

@@ -28,21 +28,32 @@ def _plain(model):
     return other
 
 
-def _spy_unpadding(monkeypatch):
+def _spy_unpadding(monkeypatch, layout=None):
     """Record each forward that runs the layers on the real tokens only (its token map), so a test
-    cannot pass on the padded path by accident."""
+    cannot pass on the padded path by accident; with `layout`, check which way attention ran."""
     calls = []
     original = BertImplModel._token_map
 
     def spy(self, *args, **kwargs):
         tokens = original(self, *args, **kwargs)
         if tokens is not None:
-            assert tokens.unpadded
+            assert tokens.cu_seqlens is not None  # unpadded
+            if layout is not None:
+                assert (tokens.seq_lengths is not None, tokens.grid_index is not None) == (
+                    layout == "per-sequence", layout == "grid"), layout
             calls.append(tokens)
         return tokens
 
     monkeypatch.setattr(BertImplModel, "_token_map", spy)
     return calls
+
+
+@pytest.fixture(params=["per-sequence", "grid"])
+def attention_layout(request, monkeypatch):
+    """Both ways unpadded sequences attend under eager / sdpa: one unmasked call per sequence (on
+    CPU) and one call on a masked (n, m) grid (on other devices), each forced here on the CPU."""
+    monkeypatch.setattr(mb, "_PER_SEQUENCE_DEVICES", ("cpu",) if request.param == "per-sequence" else ())
+    return request.param
 
 
 def _max_diff_real(a, b, attention_mask):
@@ -375,12 +386,12 @@ def test_sinusoidal_positions_without_reading_them_come_from_the_formula(debug_c
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_unpadded_forward_matches_padded_path(debug_config, batch, backend, monkeypatch):
+def test_unpadded_forward_matches_padded_path(debug_config, batch, backend, monkeypatch, attention_layout):
     torch.manual_seed(0)
     model = BertImplModel(debug_config(attn_implementation=backend)).eval()
     plain = _plain(model)
     input_ids, attention_mask, token_type_ids = batch
-    calls = _spy_unpadding(monkeypatch)
+    calls = _spy_unpadding(monkeypatch, attention_layout)
     with torch.no_grad():
         got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, output_hidden_states=True)
         assert len(calls) == 1 and calls[0].indices.numel() == int(attention_mask.sum())
@@ -395,18 +406,18 @@ def test_unpadded_forward_matches_padded_path(debug_config, batch, backend, monk
     assert torch.equal(got.hidden_states[-1], got.last_hidden_state)
 
 
-def test_unpadded_gradients_match_padded_path(debug_config, batch):
+def test_unpadded_gradients_match_padded_path(debug_config, batch, attention_layout, monkeypatch):
     torch.manual_seed(0)
     model = BertImplForMaskedLM(debug_config()).train()
     plain = _plain(model)
     input_ids, attention_mask, token_type_ids = batch
     labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
-    losses = []
+    calls, losses = _spy_unpadding(monkeypatch, attention_layout), []
     for m in (model, plain):
         out = m(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
         out.loss.backward()
         losses.append(out.loss.item())
-    assert abs(losses[0] - losses[1]) <= ATOL
+    assert len(calls) == 1 and abs(losses[0] - losses[1]) <= ATOL
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= ATOL, name
 
@@ -425,7 +436,7 @@ def test_unpadding_with_gradient_checkpointing(debug_config, batch):
 
 
 @pytest.mark.parametrize("pattern", ["left", "holes", "one_row_fully_padded"])
-def test_unpadding_any_padding_pattern(debug_config, batch, pattern, monkeypatch):
+def test_unpadding_any_padding_pattern(debug_config, batch, pattern, monkeypatch, attention_layout):
     torch.manual_seed(0)
     model = BertImplModel(debug_config()).eval()
     input_ids, attention_mask, _ = batch
@@ -437,7 +448,7 @@ def test_unpadding_any_padding_pattern(debug_config, batch, pattern, monkeypatch
     else:
         attention_mask = attention_mask.clone()
         attention_mask[3] = 0
-    calls = _spy_unpadding(monkeypatch)
+    calls = _spy_unpadding(monkeypatch, attention_layout)
     with torch.no_grad():
         got = model(input_ids, attention_mask=attention_mask)
         want = _plain(model)(input_ids, attention_mask=attention_mask)
@@ -446,7 +457,7 @@ def test_unpadding_any_padding_pattern(debug_config, batch, pattern, monkeypatch
     assert _max_diff_real(got.last_hidden_state, want.last_hidden_state, attention_mask) <= ATOL
 
 
-def test_unpadded_path_matches_transformers_bert(debug_config, batch):
+def test_unpadded_path_matches_transformers_bert(debug_config, batch, attention_layout, monkeypatch):
     """The oracle: transformers' BertModel (sdpa) with the same weights, on a padded batch."""
     from transformers import BertConfig, BertModel
 
@@ -460,9 +471,11 @@ def test_unpadded_path_matches_transformers_bert(debug_config, batch):
     ours = from_hf_bert(hf, BertImplModel).eval()
     assert getattr(ours.config, "unpad_inputs", True)
     input_ids, attention_mask, token_type_ids = batch
+    calls = _spy_unpadding(monkeypatch, attention_layout)
     with torch.no_grad():
         got = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
         want = hf(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    assert len(calls) == 1
     assert _max_diff_real(got.last_hidden_state, want.last_hidden_state, attention_mask) <= ATOL
     assert (got.pooler_output - want.pooler_output).abs().max().item() <= ATOL
 
@@ -496,7 +509,7 @@ def _packed_features(lengths, seed=0):
 
 @pytest.mark.parametrize("flash_kwargs", [False, True])
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_packed_row_equals_each_sequence_alone(debug_config, backend, flash_kwargs, monkeypatch):
+def test_packed_row_equals_each_sequence_alone(debug_config, backend, flash_kwargs, monkeypatch, attention_layout):
     torch.manual_seed(0)
     model = BertImplModel(debug_config(attn_implementation=backend)).eval()
     lengths = [5, 7, 3, 6]
@@ -504,7 +517,7 @@ def test_packed_row_equals_each_sequence_alone(debug_config, backend, flash_kwar
     packed = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(feats)
     assert packed["input_ids"].shape == (1, sum(lengths)) and "attention_mask" not in packed
     inputs = {k: v for k, v in packed.items() if k != "labels"}
-    calls = _spy_unpadding(monkeypatch)
+    calls = _spy_unpadding(monkeypatch, attention_layout)
     with torch.no_grad():
         got = model(**inputs).last_hidden_state[0]  # (T, H)
         assert len(calls) == 1 and calls[0].cu_seqlens.diff().tolist() == lengths and calls[0].max_seqlen == 7
@@ -528,7 +541,7 @@ def test_packed_attention_probabilities_never_cross_sequences(debug_config):
         torch.testing.assert_close(probs.sum(-1), torch.ones(1, 4, 7), atol=ATOL, rtol=0)
 
 
-def test_packed_and_padded_batches_give_the_same_loss_and_gradients(debug_config):
+def test_packed_and_padded_batches_give_the_same_loss_and_gradients(debug_config, attention_layout, monkeypatch):
     torch.manual_seed(0)
     model = BertImplForMaskedLM(debug_config()).train()
     twin = copy.deepcopy(model)
@@ -540,8 +553,10 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients(debug_config
     # the collator writes separator_id (-100) over each sequence's first label, as it must for causal LMs
     labels[:, 0] = -100
     attention_mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (s - len(f["input_ids"])) for f in feats])
+    calls = _spy_unpadding(monkeypatch, attention_layout)
     loss_packed = model(**packed).loss
     loss_padded = twin(input_ids, attention_mask=attention_mask, labels=labels).loss
+    assert len(calls) == 2
     assert abs(loss_packed.item() - loss_padded.item()) <= ATOL
     loss_packed.backward()
     loss_padded.backward()
