@@ -154,7 +154,7 @@ def test_mlm_loss_of_half_precision_logits(dtype):
     summed in float32. Loss and logit gradients are checked against the float64 loss of the same
     (rounded) logits: each within 3x the error of transformers' way (cross-entropy mean in the
     logits' dtype) plus one rounding step of the dtype, and the float32 path is the plain
-    float32 cross-entropy, bit for bit."""
+    float32 cross-entropy of the masked rows, bit for bit."""
     torch.manual_seed(0)
     logits = (torch.randn(6, 40, 1000) * 3).to(dtype)
     labels = torch.randint(0, 1000, (6, 40))
@@ -173,10 +173,13 @@ def test_mlm_loss_of_half_precision_logits(dtype):
     assert abs(ours.item() - ref.item()) <= 3 * abs(hf.item() - ref.item()) + eps * ref.item()
     grad_err = (ours_in.grad.double() - ref_in.grad).abs().max().item()
     assert grad_err <= 3 * (hf_in.grad.double() - ref_in.grad).abs().max().item() + 1e-6
-    # float32: exactly the float32 cross-entropy sum over the masked count
-    logits32 = logits.float()
-    expected = nn.functional.cross_entropy(logits32.view(-1, 1000), labels.view(-1), ignore_index=-100, reduction="sum") / n
+    # float32: exactly the float32 cross-entropy sum of the masked rows over their count (on the CPU only those
+    # rows are computed); the cross-entropy of all rows (ignore_index) differs in summation order only
+    logits32, keep = logits.float().view(-1, 1000), labels.view(-1).ne(-100)
+    expected = nn.functional.cross_entropy(logits32[keep], labels.view(-1)[keep], reduction="sum") / n
     assert masked_lm_loss(logits32, labels).item() == expected.item()
+    every_row = nn.functional.cross_entropy(logits32, labels.view(-1), ignore_index=-100, reduction="sum") / n
+    assert abs(masked_lm_loss(logits32, labels).item() - every_row.item()) <= 1e-6 * every_row.item()
 
 
 def test_pretraining_loss_matches_hand_computation(debug_config):

@@ -67,6 +67,13 @@ def _max_diff_real(a, b, attention_mask):
 needs_onednn = pytest.mark.skipif(mb._ONEDNN_LINEAR is None, reason="this torch build has no oneDNN linear")
 
 
+def _spy_onednn_linear(monkeypatch, record=lambda x: 1) -> list:
+    """Records `record(input)` for each linear layer call that runs on oneDNN (`_LinearFunction`, onednn=True)."""
+    calls, apply = [], mb._LinearFunction.apply
+    monkeypatch.setattr(mb._LinearFunction, "apply", lambda *a: (calls.append(record(a[0])) if a[3] else None) or apply(*a))
+    return calls
+
+
 @needs_onednn
 @pytest.mark.parametrize("in_features,out_features,dw_by_mm", [(32, 37, False), (8, 100, True)],
                          ids=["dW-on-onednn", "wide-output-dW-by-torch.mm"])
@@ -78,9 +85,7 @@ def test_onednn_linear_forward_and_backward_match_nn_linear(debug_config, monkey
     layer = mb.BertImplLinear(config, in_features, out_features)
     ref = torch.nn.Linear(in_features, out_features)
     ref.load_state_dict(layer.state_dict())
-    calls = []
-    apply = mb._OneDNNLinearFunction.apply
-    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    calls = _spy_onednn_linear(monkeypatch)
     x = torch.randn(13, 7, in_features, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = layer(x), ref(x_ref)
@@ -115,9 +120,7 @@ def test_onednn_linear_in_bfloat16_matches_nn_linear(debug_config, monkeypatch):
     ref32.load_state_dict(layer.state_dict())
     ref16 = copy.deepcopy(ref32).bfloat16()
     layer.bfloat16()
-    calls = []
-    apply = mb._OneDNNLinearFunction.apply
-    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    calls = _spy_onednn_linear(monkeypatch)
     x32 = torch.randn(9, 5, 64)
     g32 = torch.randn(9, 5, 48)
     results = {}
@@ -142,9 +145,7 @@ def test_onednn_linear_under_bfloat16_autocast(debug_config, batch, monkeypatch)
     blas = copy.deepcopy(model)
     blas.config.onednn_linear = False
     exact = copy.deepcopy(blas)
-    calls = []
-    apply = mb._OneDNNLinearFunction.apply
-    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(a[0].dtype) or apply(*a))
+    calls = _spy_onednn_linear(monkeypatch, record=lambda x: x.dtype)
     input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
     results = {}
@@ -163,6 +164,88 @@ def test_onednn_linear_under_bfloat16_autocast(debug_config, batch, monkeypatch)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         model(**inputs)
     assert calls == []
+
+
+@pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
+@pytest.mark.parametrize("labelled,skipped", [(0.15, True), (0.8, False)], ids=["15%-rows", "80%-rows"])
+def test_the_decoder_backward_skips_rows_with_a_zero_gradient(debug_config, monkeypatch, setting, labelled, skipped):
+    """`skip_zero_rows` (the MLM decoder): a row of dy that is all zero adds nothing to dx, dW or db, so
+    the backward runs on the other rows when at most half are left and on every row otherwise; on
+    either GEMM library every gradient equals nn.Linear's (float32, 1e-5). Without grad, or for the
+    other linear layers, nothing changes."""
+    if setting and mb._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    config = debug_config(onednn_linear=setting)
+    torch.manual_seed(0)
+    layer = mb.BertImplLinear(config, 16, 90, skip_zero_rows=True)
+    ref = torch.nn.Linear(16, 90)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(13, 7, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    rows = torch.rand(13, 7, generator=torch.Generator().manual_seed(3)) < labelled  # (13, 7) rows with a gradient
+    g = torch.randn(13, 7, 90) * rows.unsqueeze(-1)
+    gemm_rows, gemm = [], mb._gemm
+    monkeypatch.setattr(mb, "_gemm", lambda a, *rest: gemm_rows.append(a.reshape(-1, a.size(-1)).size(0)) or gemm(a, *rest))
+    y = layer(x)
+    assert gemm_rows == [91]  # the forward: every row (the logits are an output)
+    y.backward(g)
+    assert gemm_rows[1] == (int(rows.sum()) if skipped else 91)  # dx = dy W
+    ref(x_ref).backward(g)
+    assert (y - ref(x_ref)).abs().max().item() <= ATOL
+    assert (x.grad - x_ref.grad).abs().max().item() <= ATOL
+    assert x.grad[~rows].abs().max().item() == 0.0
+    assert (layer.weight.grad - ref.weight.grad).abs().max().item() <= ATOL
+    assert (layer.bias.grad - ref.bias.grad).abs().max().item() <= ATOL
+    gemm_rows.clear()
+    with torch.no_grad():
+        layer(x)
+    assert gemm_rows == ([91] if setting else [])  # no grad: the forward alone (blas: nn.Linear's own op)
+    gemm_rows.clear()
+    mb.BertImplLinear(config, 16, 90)(x).backward(g)  # not the decoder: every row (forward, dx, dWᵀ's 90 rows)
+    assert gemm_rows == ([91, 91, 90] if setting else [])
+
+
+@pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
+def test_default_config_mlm_step_matches_transformers(debug_config, batch, setting, monkeypatch):
+    """The oracle for the training step with full logits (the default config): transformers'
+    BertForMaskedLM with the same weights, on a padded batch with 30% of the real tokens labelled.
+    The loss, the logits and every gradient within 1e-5, with the cross-entropy on the labelled rows
+    only and the decoder's backward on those rows only (the others' gradient is zero)."""
+    if setting and mb._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    from transformers import BertConfig, BertForMaskedLM
+
+    from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
+
+    torch.manual_seed(0)
+    hf = BertForMaskedLM(
+        BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                   max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                   attn_implementation="sdpa")
+    )
+    ours = from_hf_bert(hf, BertImplForMaskedLM)
+    ours.config.onednn_linear = setting
+    assert not ours.config.sparse_prediction
+    input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
+    rows, ce, cross_entropy = [], [], F.cross_entropy
+    gemm = mb._gemm
+    monkeypatch.setattr(mb, "_gemm", lambda a, *rest: rows.append(a.reshape(-1, a.size(-1)).size(0)) or gemm(a, *rest))
+    monkeypatch.setattr(F, "cross_entropy", lambda logits, *a, **k: ce.append(logits.size(0)) or cross_entropy(logits, *a, **k))
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+    got = ours(**inputs)
+    got.loss.backward()
+    monkeypatch.setattr(F, "cross_entropy", cross_entropy)
+    want = hf(**inputs)
+    want.loss.backward()
+    n = int(labels.ne(-100).sum())
+    assert ce == [n] and n < input_ids.numel() // 2
+    assert n in rows  # the decoder's dx = dy W ran on the labelled rows
+    real = attention_mask.bool()
+    assert abs(got.loss.item() - want.loss.item()) <= ATOL
+    assert (got.logits - want.logits)[real].abs().max().item() <= ATOL
+    hf_grads, _ = convert_hf_state_dict({k: p.grad for k, p in hf.named_parameters()}, 2, tied=True)
+    for name, p in ours.named_parameters():
+        assert (p.grad - hf_grads[name]).abs().max().item() <= ATOL, name
 
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
@@ -196,9 +279,7 @@ def test_onednn_linear_setting_is_validated(debug_config):
 def test_a_loaded_or_moved_model_takes_the_onednn_branch(debug_config, tmp_path, monkeypatch):
     """from_pretrained builds on the meta device and then loads weights; .to() moves and casts: the
     branch follows the weights as they are when called, not as they were when built."""
-    calls = []
-    apply = mb._OneDNNLinearFunction.apply
-    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    calls = _spy_onednn_linear(monkeypatch)
     BertImplModel(debug_config(onednn_linear=True)).save_pretrained(tmp_path)
     model = BertImplModel.from_pretrained(tmp_path).eval()
     ids = torch.ones(1, 4, dtype=torch.long)
@@ -224,9 +305,7 @@ def test_every_linear_kernel_branch_gives_the_same_outputs_and_gradients(debug_c
     blas = copy.deepcopy(model)
     model.config.onednn_linear = setting
     blas.config.onednn_linear = False
-    calls = []
-    apply = mb._OneDNNLinearFunction.apply
-    monkeypatch.setattr(mb._OneDNNLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    calls = _spy_onednn_linear(monkeypatch)
     input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
     ref = blas(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
     assert calls == []
