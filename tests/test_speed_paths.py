@@ -206,6 +206,33 @@ def test_the_decoder_backward_skips_rows_with_a_zero_gradient(debug_config, monk
 
 
 @pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
+def test_the_decoder_backward_skips_zero_rows_in_bfloat16(debug_config, monkeypatch, setting):
+    """bf16 weights: the skipping backward's output and gradients each within 3x nn.Linear's own bf16
+    error against a float32 copy (the project's bf16 rule), and the dx GEMM ran on the nonzero rows."""
+    if setting and torch.bfloat16 not in mb._ONEDNN_DTYPES:
+        pytest.skip("no bfloat16 oneDNN linear on this CPU / build")
+    torch.manual_seed(0)
+    layer = mb.BertImplLinear(debug_config(onednn_linear=setting), 64, 600, skip_zero_rows=True)
+    ref32 = torch.nn.Linear(64, 600)
+    ref32.load_state_dict(layer.state_dict())
+    ref16 = copy.deepcopy(ref32).bfloat16()
+    layer.bfloat16()
+    rows = torch.rand(9, 5, generator=torch.Generator().manual_seed(5)) < 0.2  # (9, 5)
+    x32, g32 = torch.randn(9, 5, 64), torch.randn(9, 5, 600) * rows.unsqueeze(-1)
+    gemm_rows, gemm = [], mb._gemm
+    monkeypatch.setattr(mb, "_gemm", lambda a, *rest: gemm_rows.append(a.reshape(-1, a.size(-1)).size(0)) or gemm(a, *rest))
+    results = {}
+    for name, module, dtype in (("skip", layer, torch.bfloat16), ("linear", ref16, torch.bfloat16), ("fp32", ref32, torch.float32)):
+        x = x32.to(dtype).requires_grad_()
+        y = module(x)
+        y.backward(g32.to(dtype))
+        results[name] = [t.float() for t in (y, x.grad, module.weight.grad, module.bias.grad)]
+    assert gemm_rows[:2] == [45, int(rows.sum())]
+    for mine, theirs, exact in zip(results["skip"], results["linear"], results["fp32"]):
+        assert (mine - exact).abs().max() <= 3 * (theirs - exact).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
 def test_default_config_mlm_step_matches_transformers(debug_config, batch, setting, monkeypatch):
     """The oracle for the training step with full logits (the default config): transformers'
     BertForMaskedLM with the same weights, on a padded batch with 30% of the real tokens labelled.
