@@ -233,6 +233,23 @@ def test_the_decoder_backward_skips_zero_rows_in_bfloat16(debug_config, monkeypa
 
 
 @pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
+def test_torch_func_grad_runs_through_the_written_out_backward(debug_config, batch, setting):
+    """torch.func.grad (functorch) over the MLM loss gives autograd's gradients on either GEMM library:
+    `_LinearFunction` keeps its context in `setup_context`, as functorch transforms require."""
+    from torch.func import functional_call, grad
+
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config(onednn_linear=setting)).train()
+    input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
+    inputs = dict(attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    grads = grad(lambda p: functional_call(model, p, (input_ids,), inputs).loss)(params)
+    model(input_ids, **inputs).loss.backward()
+    for name, p in model.named_parameters():
+        assert (grads[name] - p.grad).abs().max().item() <= ATOL, name
+
+
+@pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
 def test_default_config_mlm_step_matches_transformers(debug_config, batch, setting, monkeypatch):
     """The oracle for the training step with full logits (the default config): transformers'
     BertForMaskedLM with the same weights, on a padded batch with 30% of the real tokens labelled.
