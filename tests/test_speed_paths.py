@@ -74,6 +74,31 @@ def _spy_onednn_linear(monkeypatch, record=lambda x: 1) -> list:
     return calls
 
 
+def _spy_gemm_rows(monkeypatch) -> list:
+    """Records the row count of the left operand of each GEMM `_LinearFunction` runs (`_gemm`)."""
+    rows, gemm = [], mb._gemm
+    monkeypatch.setattr(mb, "_gemm", lambda a, *rest: rows.append(a.reshape(-1, a.size(-1)).size(0)) or gemm(a, *rest))
+    return rows
+
+
+def _assert_bf16_within_3x_of_nn_linear(layer, x32, g32):
+    """`layer` (float32 weights, cast to bf16 here) against nn.Linear in bf16, both against a float32 copy: the
+    output and the input, weight and bias gradients of g32 each within 3x nn.Linear's own error (+1e-6), the
+    project's bf16 rule."""
+    ref32 = torch.nn.Linear(layer.in_features, layer.out_features)
+    ref32.load_state_dict(layer.state_dict())
+    ref16 = copy.deepcopy(ref32).bfloat16()
+    layer.bfloat16()
+    results = {}
+    for name, module, dtype in (("mine", layer, torch.bfloat16), ("linear", ref16, torch.bfloat16), ("fp32", ref32, torch.float32)):
+        x = x32.to(dtype).requires_grad_()
+        y = module(x)
+        y.backward(g32.to(dtype))
+        results[name] = [t.float() for t in (y, x.grad, module.weight.grad, module.bias.grad)]
+    for mine, theirs, exact in zip(results["mine"], results["linear"], results["fp32"]):
+        assert (mine - exact).abs().max() <= 3 * (theirs - exact).abs().max() + 1e-6
+
+
 @needs_onednn
 @pytest.mark.parametrize("in_features,out_features,dw_by_mm", [(32, 37, False), (8, 100, True)],
                          ids=["dW-on-onednn", "wide-output-dW-by-torch.mm"])
@@ -113,25 +138,11 @@ def test_onednn_linear_forward_and_backward_match_nn_linear(debug_config, monkey
 def test_onednn_linear_in_bfloat16_matches_nn_linear(debug_config, monkeypatch):
     """bf16 forward and backward on oneDNN against nn.Linear in bf16: each within 3x nn.Linear's own
     error against a float32 copy (the bf16 rule of the benchmark), and the oneDNN branch was taken."""
-    config = debug_config(onednn_linear=True)
     torch.manual_seed(0)
-    layer = mb.BertImplLinear(config, 64, 48)
-    ref32 = torch.nn.Linear(64, 48)
-    ref32.load_state_dict(layer.state_dict())
-    ref16 = copy.deepcopy(ref32).bfloat16()
-    layer.bfloat16()
+    layer = mb.BertImplLinear(debug_config(onednn_linear=True), 64, 48)
     calls = _spy_onednn_linear(monkeypatch)
-    x32 = torch.randn(9, 5, 64)
-    g32 = torch.randn(9, 5, 48)
-    results = {}
-    for name, module, dtype in (("onednn", layer, torch.bfloat16), ("linear", ref16, torch.bfloat16), ("fp32", ref32, torch.float32)):
-        x = x32.to(dtype).requires_grad_()
-        y = module(x)
-        y.backward(g32.to(dtype))
-        results[name] = [t.float() for t in (y, x.grad, module.weight.grad, module.bias.grad)]
+    _assert_bf16_within_3x_of_nn_linear(layer, torch.randn(9, 5, 64), torch.randn(9, 5, 48))
     assert calls == [1]
-    for mine, theirs, exact in zip(results["onednn"], results["linear"], results["fp32"]):
-        assert (mine - exact).abs().max() <= 3 * (theirs - exact).abs().max() + 1e-6
 
 
 @pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
@@ -184,8 +195,7 @@ def test_the_decoder_backward_skips_rows_with_a_zero_gradient(debug_config, monk
     x_ref = x.detach().clone().requires_grad_()
     rows = torch.rand(13, 7, generator=torch.Generator().manual_seed(3)) < labelled  # (13, 7) rows with a gradient
     g = torch.randn(13, 7, 90) * rows.unsqueeze(-1)
-    gemm_rows, gemm = [], mb._gemm
-    monkeypatch.setattr(mb, "_gemm", lambda a, *rest: gemm_rows.append(a.reshape(-1, a.size(-1)).size(0)) or gemm(a, *rest))
+    gemm_rows = _spy_gemm_rows(monkeypatch)
     y = layer(x)
     assert gemm_rows == [91]  # the forward: every row (the logits are an output)
     y.backward(g)
@@ -213,23 +223,11 @@ def test_the_decoder_backward_skips_zero_rows_in_bfloat16(debug_config, monkeypa
         pytest.skip("no bfloat16 oneDNN linear on this CPU / build")
     torch.manual_seed(0)
     layer = mb.BertImplLinear(debug_config(onednn_linear=setting), 64, 600, skip_zero_rows=True)
-    ref32 = torch.nn.Linear(64, 600)
-    ref32.load_state_dict(layer.state_dict())
-    ref16 = copy.deepcopy(ref32).bfloat16()
-    layer.bfloat16()
     rows = torch.rand(9, 5, generator=torch.Generator().manual_seed(5)) < 0.2  # (9, 5)
     x32, g32 = torch.randn(9, 5, 64), torch.randn(9, 5, 600) * rows.unsqueeze(-1)
-    gemm_rows, gemm = [], mb._gemm
-    monkeypatch.setattr(mb, "_gemm", lambda a, *rest: gemm_rows.append(a.reshape(-1, a.size(-1)).size(0)) or gemm(a, *rest))
-    results = {}
-    for name, module, dtype in (("skip", layer, torch.bfloat16), ("linear", ref16, torch.bfloat16), ("fp32", ref32, torch.float32)):
-        x = x32.to(dtype).requires_grad_()
-        y = module(x)
-        y.backward(g32.to(dtype))
-        results[name] = [t.float() for t in (y, x.grad, module.weight.grad, module.bias.grad)]
+    gemm_rows = _spy_gemm_rows(monkeypatch)
+    _assert_bf16_within_3x_of_nn_linear(layer, x32, g32)
     assert gemm_rows[:2] == [45, int(rows.sum())]
-    for mine, theirs, exact in zip(results["skip"], results["linear"], results["fp32"]):
-        assert (mine - exact).abs().max() <= 3 * (theirs - exact).abs().max() + 1e-6
 
 
 @pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
@@ -271,9 +269,7 @@ def test_default_config_mlm_step_matches_transformers(debug_config, batch, setti
     ours.config.onednn_linear = setting
     assert not ours.config.sparse_prediction
     input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
-    rows, ce, cross_entropy = [], [], F.cross_entropy
-    gemm = mb._gemm
-    monkeypatch.setattr(mb, "_gemm", lambda a, *rest: rows.append(a.reshape(-1, a.size(-1)).size(0)) or gemm(a, *rest))
+    rows, ce, cross_entropy = _spy_gemm_rows(monkeypatch), [], F.cross_entropy
     monkeypatch.setattr(F, "cross_entropy", lambda logits, *a, **k: ce.append(logits.size(0)) or cross_entropy(logits, *a, **k))
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
     got = ours(**inputs)
