@@ -136,10 +136,11 @@ class BertImplConfig(PretrainedConfig):
         sparse_prediction: when MLM labels are given, run the decoder only on labelled positions;
             `logits` is then (n_labelled, V). Default False (transformers' full (b, s, V) logits);
             `scripts/pretrain_mlm.py` turns it on while training.
-        onednn_linear: which GEMM library float32 CPU linear layers use: "auto" (default) decides
-            once per process by CPU vendor (oneDNN on AMD, where MKL's fp32 GEMM is slow; torch's
-            BLAS on Intel and other CPUs), True forces oneDNN (checked against F.linear once at
-            import; torch's BLAS where unavailable), False forces torch's BLAS (as nn.Linear).
+        onednn_linear: which GEMM library float32 / bfloat16 CPU linear layers use: "auto" (default)
+            decides by CPU vendor and dtype (oneDNN on AMD, where MKL's fp32 GEMM is slow, and for
+            bfloat16 on Intel; torch's BLAS for float32 on Intel and on other CPUs), True forces
+            oneDNN (checked against F.linear once at import; torch's BLAS where unavailable),
+            False forces torch's BLAS (as nn.Linear).
     """
 
     model_type = "bert_impl"

@@ -27,6 +27,7 @@ Remote code: imports only torch, transformers, `.configuration_bert_impl` and `.
 (item 9); runs on transformers 4.57.x and 5.x (the shims below).
 """
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -92,8 +93,7 @@ def _bidirectional_mask(config, embeddings: torch.Tensor, attention_mask: torch.
 
 
 def _onednn_agrees(op, dtype: torch.dtype, tol: float) -> bool:
-    """Whether `op` reproduces F.linear in `dtype` on a probe (with and without bias, on a transposed weight as the
-    backward passes it). Any error counts as no: the op is torch-internal; a CPU without bfloat16 may lack it."""
+    """Whether `op` reproduces F.linear in `dtype` (with, without bias; a transposed weight); any error means no (internal op)."""
     try:
         g = torch.Generator().manual_seed(0)
         x, w, b, y = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 8), (3, 8), (3,), (5, 3)))
@@ -103,17 +103,16 @@ def _onednn_agrees(op, dtype: torch.dtype, tol: float) -> bool:
         return False
 
 
-# oneDNN's linear op (the GEMM torch.compile's CPU backend uses) and the dtypes in which it reproduces
-# F.linear, probed once at import; absent, renamed or changed means nn.Linear's own path (the same formula).
+# oneDNN's linear op (torch.compile's CPU GEMM) and the dtypes where it reproduces F.linear, probed at import; else nn.Linear's.
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 _ONEDNN_DTYPES = tuple(dt for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2))
                        if _ONEDNN_LINEAR is not None and _onednn_agrees(_ONEDNN_LINEAR, dt, tol))
 if torch.float32 not in _ONEDNN_DTYPES:
     _ONEDNN_LINEAR, _ONEDNN_DTYPES = None, ()
 
-# "auto" by CPU vendor, as measured: on AMD EPYC MKL's fp32 GEMM takes a slow path and oneDNN is ~2x
-# faster; on Intel MKL wins, so Intel and any CPU not measured keep torch's own BLAS, as transformers does.
-_AUTO_KERNEL_BY_VENDOR = {"AuthenticAMD": "onednn"}
+# "auto" takes oneDNN for: fp32 on AMD (MKL's is slow there; on Intel it wins), bf16 on both (both paths run oneDNN's GEMM,
+# but addmm first copies the bias into the output: 18% of a bert-base bf16 forward). Others: torch's BLAS, as transformers.
+_AUTO_KERNEL = {("AuthenticAMD", torch.float32), ("AuthenticAMD", torch.bfloat16), ("GenuineIntel", torch.bfloat16)}
 _PER_SEQUENCE_DEVICES = ("cpu",)  # where unpadded sequences attend one call each, not on a masked grid (`TokenMap`)
 
 
@@ -129,12 +128,12 @@ def _cpu_vendor() -> str:
 _CPU_VENDOR = _cpu_vendor()  # read once, at import (never inside a forward, so torch.compile sees no I/O)
 
 
-def linear_kernel(setting="auto") -> str:
-    """The GEMM library of float32 / bfloat16 CPU linear layers for `config.onednn_linear = setting`: "onednn" or "blas"
-    (torch's own, as nn.Linear). True / False force it (True: "blas" without a usable oneDNN op); "auto": by CPU vendor."""
-    if _ONEDNN_LINEAR is None or setting is False:
-        return "blas"
-    return "onednn" if setting is True else _AUTO_KERNEL_BY_VENDOR.get(_CPU_VENDOR, "blas")
+def linear_kernel(setting="auto", dtype: torch.dtype = torch.float32) -> str:
+    """The GEMM library of CPU linear layers computing in `dtype` for `config.onednn_linear = setting`: "onednn" or "blas"
+    (torch's own, as nn.Linear). True / False force it; "auto": by CPU vendor and dtype. "blas" where oneDNN's op is
+    missing or does not reproduce F.linear in `dtype` (`_ONEDNN_DTYPES`)."""
+    auto = setting == "auto" and (_CPU_VENDOR, dtype) in _AUTO_KERNEL
+    return "onednn" if dtype in _ONEDNN_DTYPES and (setting is True or auto) else "blas"
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias, onednn: bool) -> torch.Tensor:  # x Wᵀ + b
@@ -142,12 +141,10 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias, onednn: bool) -> torch.Te
 
 
 class _LinearFunction(torch.autograd.Function):
-    """y = x Wᵀ + b with its backward written out (dx = dy W, dW = dyᵀ x, db = Σ dy), for two cases nn.Linear does not
-    cover. (1) oneDNN's op has no autograd formula; it copies dyᵀ, which torch.mm reads as a strided view, so dW goes
-    through torch.mm in bfloat16 (oneDNN too) and, in float32 (MKL), for outputs over 8x wider than the input (bert-base
-    decoder dW 139 vs 184 ms bf16, 264 vs 342 ms fp32). (2) `skip_zero_rows` (the MLM decoder): rows of dy that are all
-    zero (with full logits, the 85% of positions without a label) add nothing; when at most half the rows are left the
-    backward runs on those (bert-base decoder, 15% of 1024 rows: 125 vs 522 ms fp32, 72 vs 253 ms bf16, search included)."""
+    """y = x Wᵀ + b with its backward written out (dx = dy W, dW = dyᵀ x, db = Σ dy) where nn.Linear falls short. (1) oneDNN's
+    op has no autograd formula; it copies dyᵀ, which torch.mm reads as a strided view, so dW goes through torch.mm in bfloat16
+    and, in float32, for outputs over 8x wider than the input. (2) `skip_zero_rows` (the MLM decoder): rows of dy that are all
+    zero (positions without a label) add nothing; when at most half are left the backward runs on those (docs/benchmarks.md)."""
 
     @staticmethod
     def forward(x, weight, bias, onednn: bool, skip_zero_rows: bool):
@@ -174,10 +171,13 @@ class _LinearFunction(torch.autograd.Function):
         return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_2d.sum(0) if need[2] else None, None, None
 
 
+_CAST_BUFFERS = threading.local()  # per thread: (shape, dtype) -> the buffer no-grad casts of weights of that shape reuse
+
+
 class BertImplLinear(nn.Linear):
-    """nn.Linear on oneDNN where `linear_kernel(config.onednn_linear)` says so; `skip_zero_rows`: in training, the backward
-    skips rows whose gradient is zero (`_LinearFunction`). Per call only what can change is looked at: dtype, device, plain
-    tensors, grad mode, CPU autocast (to bfloat16: GEMM in bfloat16 on either path; else nn.Linear's), graph capture."""
+    """nn.Linear on oneDNN where `linear_kernel(config.onednn_linear, dtype)` says so; `skip_zero_rows`: in training, the
+    backward skips rows whose gradient is zero (`_LinearFunction`). Per call only what can change is looked at: dtype, device,
+    plain tensors, grad mode, CPU autocast (to bfloat16: GEMM in bfloat16 on either path; else nn.Linear's), graph capture."""
 
     def __init__(self, config: BertImplConfig, in_features: int, out_features: int, skip_zero_rows: bool = False):
         super().__init__(in_features, out_features)
@@ -190,9 +190,12 @@ class BertImplLinear(nn.Linear):
                  and (x.dtype == w.dtype or autocast and {x.dtype, w.dtype} <= {torch.float32, torch.bfloat16})
                  and type(x) is torch.Tensor and type(w) in (torch.Tensor, nn.Parameter) and not (torch.compiler.is_compiling()
                  or torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export()))
-        onednn = plain and dtype in _ONEDNN_DTYPES and linear_kernel(self.config.onednn_linear) == "onednn"
+        onednn = plain and linear_kernel(self.config.onednn_linear, dtype) == "onednn"
         skip_zero_rows = plain and self.skip_zero_rows and torch.is_grad_enabled()
         if onednn or skip_zero_rows:
+            if onednn and w.dtype != dtype and not torch.is_grad_enabled():  # autocast inference: cast anew each call into a
+                buffers, key = vars(_CAST_BUFFERS), (tuple(w.shape), dtype)  # kept buffer; a fresh copy costs more (page faults)
+                w = (buffers[key] if key in buffers else buffers.setdefault(key, w.new_empty(w.shape, dtype=dtype))).copy_(w)
             return _LinearFunction.apply(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype), onednn, skip_zero_rows)
         return F.linear(x, w, b)
 
@@ -282,9 +285,8 @@ class BertImplEmbeddings(nn.Module):
         if config.position_embedding_type == "learned":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         else:
-            # Fixed by the formula, so not a weight: recomputed at load, never in a checkpoint.
-            pe = sinusoidal_position_encoding(config.max_position_embeddings, config.hidden_size)
-            self.register_buffer("position_encoding", pe, persistent=False)  # (P, H)
+            pe = sinusoidal_position_encoding(config.max_position_embeddings, config.hidden_size)  # (P, H)
+            self.register_buffer("position_encoding", pe, persistent=False)  # fixed by the formula: not a weight, not saved
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -538,8 +540,7 @@ class BertImplPreTrainedModel(CheckpointSafetyMixin, PreTrainedModel):
         self.model_tags = ["bert_impl", "custom_code"]  # the cards transformers writes list it as remote code
 
     def _init_weights(self, module):
-        """normal(0, initializer_range) weights, zero biases, LayerNorm (1, 0); the sinusoidal table
-        recomputed. The `init` functions skip tensors loaded from a checkpoint."""
+        """normal(0, initializer_range) weights, zero biases, LayerNorm (1, 0), the sinusoidal table; loaded tensors skipped."""
         super()._init_weights(module)
         if isinstance(module, BertImplEmbeddings) and hasattr(module, "position_encoding"):
             _init_copy_(module.position_encoding, sinusoidal_position_encoding(*module.position_encoding.shape))
@@ -864,9 +865,8 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs)
         logits = self.qa_outputs(out.last_hidden_state)  # (b, s, 2)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))  # 2 x (b, s)
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions)
+        both = start_positions is not None and end_positions is not None
+        loss = self.loss_function(start_logits, end_logits, start_positions, end_positions) if both else None
         return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
                                             hidden_states=out.hidden_states, attentions=out.attentions)
 

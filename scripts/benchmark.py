@@ -10,10 +10,12 @@ Copy-paste commands:
     python scripts/benchmark.py --size base --threads 2 --json benchmarks/cpu-amd-zen4_base_fp32.json
     python scripts/benchmark.py --size base --threads 2 --dtype bf16 --json benchmarks/cpu-amd-zen4_base_bf16.json
     python scripts/benchmark.py --size base --threads 2 --dtype autocast --json benchmarks/cpu-amd-zen4_base_autocast.json
+    python scripts/benchmark.py --size base --threads 2 --dtype autocast --autocast_scope run --workloads fixed,mixed \
+        --json benchmarks/cpu-amd-zen4_base_autocast_scope_run.json   # one autocast context around a serving loop
     python scripts/benchmark.py --size base --threads 2 --against onnxruntime \
         --json benchmarks/cpu-amd-zen4_base_fp32_onnxruntime.json
 
-    # force the linear-layer kernel (default auto: oneDNN on AMD, torch's BLAS on Intel and others)
+    # force the linear-layer kernel (default auto: oneDNN on AMD and for bf16 on Intel; else torch's BLAS)
     python scripts/benchmark.py --size base --onednn_linear false
     python scripts/benchmark.py --size base --onednn_linear true
 
@@ -97,6 +99,11 @@ class BenchmarkArguments:
     seq_len: int = field(default=128, metadata={"help": "sequence length L (mixed: lengths uniform in [L/8, L])"})
     batch_size: int = field(default=8)
     dtype: str = field(default="fp32", metadata={"help": "fp32, bf16 (bf16 weights) or autocast (float32 weights, bf16 autocast)"})
+    autocast_scope: str = field(
+        default="forward",
+        metadata={"help": "--dtype autocast: forward (a fresh autocast context per forward, as Trainer) or run (one context "
+                          "around all of an inference workload's calls, as a serving loop; autocast then casts each weight once)"},
+    )
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu or cuda"})
     backends: str = field(default="sdpa", metadata={"help": "comma-separated attention backends, e.g. sdpa,flash_attention_2"})
     workloads: str = field(
@@ -155,6 +162,10 @@ def check_args(args: BenchmarkArguments) -> None:
         fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     if args.onednn_linear not in ("auto", "true", "false"):
         fail(f"--onednn_linear must be auto, true or false, got {args.onednn_linear!r}")
+    if args.autocast_scope not in ("forward", "run"):
+        fail(f"--autocast_scope must be forward or run, got {args.autocast_scope!r}")
+    if args.autocast_scope == "run" and args.dtype != "autocast":
+        fail(f"--autocast_scope run needs --dtype autocast, got --dtype {args.dtype}")
     if args.against not in ("transformers", "onnxruntime"):
         fail(f"--against must be transformers or onnxruntime, got {args.against!r}")
     if args.against == "onnxruntime":
@@ -528,9 +539,13 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks):
             m.train(training)
         opt_a = torch.optim.AdamW(hf.parameters(), lr=1e-5) if training else None
         opt_b = torch.optim.AdamW(ours.parameters(), lr=1e-5) if training else None
-        context = lambda: precision(args, device)  # noqa: E731
+        # --autocast_scope run: one autocast context around all the inference calls (training steps keep one each:
+        # an optimizer step would leave autocast's cached casts of the weights stale)
+        scope_run = args.autocast_scope == "run" and not training
+        context = nullcontext if scope_run else (lambda: precision(args, device))
         fn_a, fn_b = step_fn(hf, workload, batch, opt_a, context), step_fn(ours, workload, batch, opt_b, context)
-        times = interleaved({"transformers": fn_a, "ours": fn_b}, pairs, args.warmup, device)
+        with precision(args, device) if scope_run else nullcontext():
+            times = interleaved({"transformers": fn_a, "ours": fn_b}, pairs, args.warmup, device)
         peaks.sample()
         flops = model_flops(ours.config, workload, real_lengths, n_masked)
         row = timing_row(times, "transformers", pairs, mask, flops, peaks.best)

@@ -7,6 +7,7 @@ Run: pytest tests/test_speed_paths.py -q
 
 import copy
 import functools
+import threading
 
 import pytest
 import torch
@@ -177,6 +178,39 @@ def test_onednn_linear_under_bfloat16_autocast(debug_config, batch, monkeypatch)
     assert calls == []
 
 
+@pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
+def test_autocast_inference_casts_weights_anew_into_a_kept_buffer(debug_config, monkeypatch):
+    """Without grad under bf16 autocast the oneDNN branch casts each float32 weight into a buffer kept per
+    thread, shape and dtype (one allocation, not one per call): the output equals the freshly cast one bit
+    for bit, every call casts anew (a weight changed in place, even through `.data`, is seen at once), and
+    another thread gets its own buffer."""
+    torch.manual_seed(0)
+    layer = mb.BertImplLinear(debug_config(onednn_linear=True), 16, 24)
+    weights, gemm = [], mb._gemm  # the weight each GEMM is given
+    monkeypatch.setattr(mb, "_gemm", lambda a, w, *rest: weights.append(w) or gemm(a, w, *rest))
+    x = torch.randn(5, 16)
+
+    def run(grad: bool):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            return layer(x).detach()
+
+    assert torch.equal(run(False), run(True))  # kept buffer vs a fresh cast (with grad: saved for the backward)
+    kept, fresh = weights
+    assert kept.dtype == torch.bfloat16 and fresh.data_ptr() != kept.data_ptr()
+    run(False)
+    assert weights[2].data_ptr() == kept.data_ptr()  # the same buffer again
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    layer.weight.data.add_(1)  # bypasses the version counter: still seen, the buffer is refilled every call
+    assert torch.equal(run(False), F.linear(x.bfloat16(), layer.weight.bfloat16(), layer.bias.bfloat16()))
+    other = []
+    thread = threading.Thread(target=lambda: other.append(run(False)))
+    thread.start()
+    thread.join()
+    assert torch.equal(other[0], run(False))
+    assert weights[-2].data_ptr() != weights[-1].data_ptr() == kept.data_ptr()  # the other thread's buffer, then ours
+
+
 @pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
 @pytest.mark.parametrize("labelled,skipped", [(0.15, True), (0.8, False)], ids=["15%-rows", "80%-rows"])
 def test_the_decoder_backward_skips_rows_with_a_zero_gradient(debug_config, monkeypatch, setting, labelled, skipped):
@@ -289,16 +323,23 @@ def test_default_config_mlm_step_matches_transformers(debug_config, batch, setti
 
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
-def test_linear_kernel_is_chosen_by_cpu_vendor_and_forceable(vendor, monkeypatch):
-    """"auto": oneDNN on AMD (MKL's fp32 GEMM is slow there), torch's BLAS on Intel (the oneDNN
-    linear loses to MKL there, most in the backward) and on any CPU not measured; True / False force."""
+def test_linear_kernel_is_chosen_by_cpu_vendor_and_dtype_and_forceable(vendor, monkeypatch):
+    """"auto": in float32 oneDNN on AMD (MKL's fp32 GEMM is slow there), torch's BLAS on Intel (the
+    oneDNN linear loses to MKL there, most in the backward); in bfloat16 oneDNN on both (bias fused,
+    where addmm copies it first); torch's BLAS on any CPU not measured and in float16; True / False
+    force it, within the dtypes where oneDNN's op reproduces F.linear."""
     monkeypatch.setattr(mb, "_CPU_VENDOR", vendor)
-    onednn = "onednn" if mb._ONEDNN_LINEAR is not None else "blas"
-    assert mb.linear_kernel("auto") == (onednn if vendor == "AuthenticAMD" else "blas")
-    assert mb.linear_kernel(True) == onednn
-    assert mb.linear_kernel(False) == "blas"
-    monkeypatch.setattr(mb, "_ONEDNN_LINEAR", None)  # a torch build without the op: always the BLAS
-    assert {mb.linear_kernel(s) for s in ("auto", True, False)} == {"blas"}
+    monkeypatch.setattr(mb, "_ONEDNN_DTYPES", (torch.float32, torch.bfloat16))  # as on a CPU with bf16 on oneDNN
+    fp32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
+    assert mb.linear_kernel("auto") == mb.linear_kernel("auto", fp32) == ("onednn" if vendor == "AuthenticAMD" else "blas")
+    assert mb.linear_kernel("auto", bf16) == ("onednn" if vendor else "blas")
+    assert [mb.linear_kernel(True, dt) for dt in (fp32, bf16, fp16)] == ["onednn", "onednn", "blas"]
+    assert {mb.linear_kernel(False, dt) for dt in (fp32, bf16)} == {"blas"}
+    assert mb.linear_kernel("auto", fp16) == "blas"
+    monkeypatch.setattr(mb, "_ONEDNN_DTYPES", (torch.float32,))  # oneDNN's bf16 op does not reproduce F.linear
+    assert {mb.linear_kernel(s, bf16) for s in ("auto", True)} == {"blas"}
+    monkeypatch.setattr(mb, "_ONEDNN_DTYPES", ())  # a torch build without the op: always the BLAS
+    assert {mb.linear_kernel(s, dt) for s in ("auto", True, False) for dt in (fp32, bf16)} == {"blas"}
 
 
 def test_cpu_vendor_is_read_once_at_import(monkeypatch):
@@ -331,6 +372,33 @@ def test_a_loaded_or_moved_model_takes_the_onednn_branch(debug_config, tmp_path,
         assert calls == []
         model.to(torch.bfloat16)(ids)
         assert bool(calls) == (torch.bfloat16 in mb._ONEDNN_DTYPES)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
+def test_auto_on_intel_takes_onednn_in_bfloat16_and_blas_in_float32(debug_config, batch, monkeypatch):
+    """On Intel "auto" keeps torch's BLAS for float32 GEMMs and takes oneDNN for bfloat16 ones, with bf16
+    weights and under bf16 autocast (float32 weights): every linear layer's call, and the outputs are
+    those of the forced oneDNN branch (whose bf16 numerics the tests above check against nn.Linear)."""
+    monkeypatch.setattr(mb, "_CPU_VENDOR", "GenuineIntel")
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config()).eval()
+    forced = copy.deepcopy(model)
+    forced.config.onednn_linear = True
+    calls = _spy_onednn_linear(monkeypatch, record=lambda x: x.dtype)
+    input_ids, attention_mask, token_type_ids, _ = _mlm_batch(batch)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    linear_layers = 4 * model.config.num_hidden_layers + 2  # Wqkv, Wo, Wi, Wo per layer; the head's dense and decoder
+    with torch.no_grad():
+        model(**inputs)
+        assert calls == []
+        for cast in ("autocast", "weights"):
+            if cast == "weights":
+                model, forced = model.bfloat16(), forced.bfloat16()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast == "autocast"):
+                calls.clear()
+                got = model(**inputs).logits
+                assert calls == [torch.bfloat16] * linear_layers, cast
+                assert torch.equal(got, forced(**inputs).logits), cast
 
 
 @needs_onednn
@@ -953,6 +1021,24 @@ def test_benchmark_under_bf16_autocast(tmp_path):
     assert "| sdpa | fixed |" in result["markdown_table"] and ">= 1.3x" in result["markdown_table"]
 
 
+def test_benchmark_autocast_scope_run_times_inference_inside_one_context(tmp_path, monkeypatch):
+    """--autocast_scope run: every timed inference call of a workload runs inside one autocast context
+    (what a serving loop does); training steps keep a context each."""
+    bench = _benchmark_module()
+    timed, interleaved = [], bench.interleaved
+
+    def spy(fns, *rest):  # records, per timed workload, whether autocast was already on around its calls
+        timed.append(torch.is_autocast_enabled("cpu"))
+        return interleaved(fns, *rest)
+
+    monkeypatch.setattr(bench, "interleaved", spy)
+    result = _tiny_benchmark(tmp_path, "--dtype", "autocast", "--autocast_scope", "run", "--workloads", "fixed,mlm",
+                             "--memory", "false")
+    assert result["args"]["autocast_scope"] == "run" and timed == [True, False]
+    _tiny_benchmark(tmp_path, "--dtype", "autocast", "--workloads", "fixed", "--memory", "false")
+    assert timed[-1] is False  # the default: a context per forward
+
+
 def test_benchmark_against_onnxruntime(tmp_path):
     """transformers' BERT and ours exported to ONNX, checked (<= 1e-4) and timed against ours."""
     pytest.importorskip("onnxruntime")
@@ -982,6 +1068,8 @@ def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     (["--onednn_linear", "maybe"], "--onednn_linear must be auto, true or false, got 'maybe'"),
     (["--against", "tensorrt"], "--against must be transformers or onnxruntime, got 'tensorrt'"),
     (["--against", "onnxruntime", "--dtype", "bf16"], "--against onnxruntime runs on the CPU in fp32"),
+    (["--autocast_scope", "always"], "--autocast_scope must be forward or run, got 'always'"),
+    (["--autocast_scope", "run"], "--autocast_scope run needs --dtype autocast, got --dtype fp32"),
 ])
 def test_benchmark_rejects_bad_arguments(argv, message, capsys):
     bench = _benchmark_module()
