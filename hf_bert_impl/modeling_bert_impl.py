@@ -110,8 +110,8 @@ _ONEDNN_DTYPES = tuple(dt for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16
 if torch.float32 not in _ONEDNN_DTYPES:
     _ONEDNN_LINEAR, _ONEDNN_DTYPES = None, ()
 
-# "auto" takes oneDNN for: fp32 on AMD (MKL's is slow there; on Intel it wins), bf16 on both (both paths run oneDNN's GEMM,
-# but addmm first copies the bias into the output: 18% of a bert-base bf16 forward). Others: torch's BLAS, as transformers.
+# "auto" takes oneDNN for: fp32 on AMD (MKL's is slow there; on Intel it wins), bf16 on both (both paths run oneDNN's GEMM;
+# its op fuses the bias, and it is the bf16 branch measured on Intel). Others: torch's BLAS, as transformers does.
 _AUTO_KERNEL = {("AuthenticAMD", torch.float32), ("AuthenticAMD", torch.bfloat16), ("GenuineIntel", torch.bfloat16)}
 _PER_SEQUENCE_DEVICES = ("cpu",)  # where unpadded sequences attend one call each, not on a masked grid (`TokenMap`)
 
@@ -194,7 +194,7 @@ class BertImplLinear(nn.Linear):
         skip_zero_rows = plain and self.skip_zero_rows and torch.is_grad_enabled()
         if onednn or skip_zero_rows:
             if onednn and w.dtype != dtype and not torch.is_grad_enabled():  # autocast inference: cast anew each call into a
-                buffers, key = vars(_CAST_BUFFERS), (tuple(w.shape), dtype)  # kept buffer; a fresh copy costs more (page faults)
+                buffers, key = vars(_CAST_BUFFERS), (tuple(w.shape), dtype)  # kept buffer; a fresh copy per call can cost more
                 w = (buffers[key] if key in buffers else buffers.setdefault(key, w.new_empty(w.shape, dtype=dtype))).copy_(w)
             return _LinearFunction.apply(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype), onednn, skip_zero_rows)
         return F.linear(x, w, b)
