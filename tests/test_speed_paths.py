@@ -18,6 +18,8 @@ from transformers import AttentionInterface, DataCollatorWithFlattening
 from hf_bert_impl import BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
 from hf_bert_impl import modeling_bert_impl as mb
 
+from .test_convert import hf_config  # transformers' BertConfig of the debug flavour (the oracle models)
+
 ATOL = 1e-5  # float32, unit-scale activations (docs/formulas.md, tolerances)
 VOCAB = 99
 
@@ -75,11 +77,11 @@ def _spy_onednn_linear(monkeypatch, record=lambda x: 1) -> list:
     return calls
 
 
-def _spy_gemm_rows(monkeypatch) -> list:
-    """Records the row count of the left operand of each GEMM `_LinearFunction` runs (`_gemm`)."""
-    rows, gemm = [], mb._gemm
-    monkeypatch.setattr(mb, "_gemm", lambda a, *rest: rows.append(a.reshape(-1, a.size(-1)).size(0)) or gemm(a, *rest))
-    return rows
+def _spy_gemm(monkeypatch, record=lambda a, w: a.reshape(-1, a.size(-1)).size(0)) -> list:
+    """Records `record(left operand, weight)` of each GEMM `_LinearFunction` runs (`_gemm`); by default the row count."""
+    calls, gemm = [], mb._gemm
+    monkeypatch.setattr(mb, "_gemm", lambda a, w, *rest: calls.append(record(a, w)) or gemm(a, w, *rest))
+    return calls
 
 
 def _assert_bf16_within_3x_of_nn_linear(layer, x32, g32):
@@ -186,8 +188,7 @@ def test_autocast_inference_casts_weights_anew_into_a_kept_buffer(debug_config, 
     another thread gets its own buffer."""
     torch.manual_seed(0)
     layer = mb.BertImplLinear(debug_config(onednn_linear=True), 16, 24)
-    weights, gemm = [], mb._gemm  # the weight each GEMM is given
-    monkeypatch.setattr(mb, "_gemm", lambda a, w, *rest: weights.append(w) or gemm(a, w, *rest))
+    weights = _spy_gemm(monkeypatch, record=lambda a, w: w)  # the weight each GEMM is given
     x = torch.randn(5, 16)
 
     def run(grad: bool):
@@ -229,7 +230,7 @@ def test_the_decoder_backward_skips_rows_with_a_zero_gradient(debug_config, monk
     x_ref = x.detach().clone().requires_grad_()
     rows = torch.rand(13, 7, generator=torch.Generator().manual_seed(3)) < labelled  # (13, 7) rows with a gradient
     g = torch.randn(13, 7, 90) * rows.unsqueeze(-1)
-    gemm_rows = _spy_gemm_rows(monkeypatch)
+    gemm_rows = _spy_gemm(monkeypatch)
     y = layer(x)
     assert gemm_rows == [91]  # the forward: every row (the logits are an output)
     y.backward(g)
@@ -259,7 +260,7 @@ def test_the_decoder_backward_skips_zero_rows_in_bfloat16(debug_config, monkeypa
     layer = mb.BertImplLinear(debug_config(onednn_linear=setting), 64, 600, skip_zero_rows=True)
     rows = torch.rand(9, 5, generator=torch.Generator().manual_seed(5)) < 0.2  # (9, 5)
     x32, g32 = torch.randn(9, 5, 64), torch.randn(9, 5, 600) * rows.unsqueeze(-1)
-    gemm_rows = _spy_gemm_rows(monkeypatch)
+    gemm_rows = _spy_gemm(monkeypatch)
     _assert_bf16_within_3x_of_nn_linear(layer, x32, g32)
     assert gemm_rows[:2] == [45, int(rows.sum())]
 
@@ -289,21 +290,17 @@ def test_default_config_mlm_step_matches_transformers(debug_config, batch, setti
     only and the decoder's backward on those rows only (the others' gradient is zero)."""
     if setting and mb._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN linear")
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertForMaskedLM
 
     from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
 
     torch.manual_seed(0)
-    hf = BertForMaskedLM(
-        BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-                   max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                   attn_implementation="sdpa")
-    )
+    hf = BertForMaskedLM(hf_config("BertForMaskedLM", attn_implementation="sdpa"))
     ours = from_hf_bert(hf, BertImplForMaskedLM)
     ours.config.onednn_linear = setting
     assert not ours.config.sparse_prediction
     input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
-    rows, ce, cross_entropy = _spy_gemm_rows(monkeypatch), [], F.cross_entropy
+    rows, ce, cross_entropy = _spy_gemm(monkeypatch), [], F.cross_entropy
     monkeypatch.setattr(F, "cross_entropy", lambda logits, *a, **k: ce.append(logits.size(0)) or cross_entropy(logits, *a, **k))
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
     got = ours(**inputs)
@@ -646,15 +643,12 @@ def test_unpadding_any_padding_pattern(debug_config, batch, pattern, monkeypatch
 
 def test_unpadded_path_matches_transformers_bert(debug_config, batch, attention_layout, monkeypatch):
     """The oracle: transformers' BertModel (sdpa) with the same weights, on a padded batch."""
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     from hf_bert_impl.convert import from_hf_bert
 
     torch.manual_seed(0)
-    hf = BertModel(
-        BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                   intermediate_size=37, max_position_embeddings=64, attn_implementation="sdpa")
-    ).eval()
+    hf = BertModel(hf_config(attn_implementation="sdpa")).eval()
     ours = from_hf_bert(hf, BertImplModel).eval()
     assert getattr(ours.config, "unpad_inputs", True)
     input_ids, attention_mask, token_type_ids = batch
