@@ -19,6 +19,7 @@ How it differs from transformers' BERT:
      skips positions without a label (`BertImplLinear`).
   9. `save_pretrained` is all or nothing; `from_pretrained` refuses pickled-only, corrupt or incomplete
      checkpoints (`CheckpointSafetyMixin` of checkpoint_bert_impl.py).
+  10. CPU dropout masks from 32 random bits per element where torch draws them serially (`_dropout`; attention: eager).
 
 Shape legend: b batch, s sequence, T real tokens, n sequences, m longest sequence, h heads,
 d head dim (d_k), H hidden (= h * d), V vocabulary, c choices.
@@ -41,10 +42,8 @@ from transformers import PreTrainedModel
 from transformers import masking_utils
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPooling, MaskedLMOutput, MultipleChoiceModelOutput, NextSentencePredictorOutput,
-    QuestionAnsweringModelOutput, SequenceClassifierOutput, TokenClassifierOutput,
-)
+from transformers.modeling_outputs import (BaseModelOutputWithPooling, MaskedLMOutput, MultipleChoiceModelOutput,
+    NextSentencePredictorOutput, QuestionAnsweringModelOutput, SequenceClassifierOutput, TokenClassifierOutput)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 from transformers.utils import can_return_tuple
@@ -84,8 +83,7 @@ def _bidirectional_mask(config, embeddings: torch.Tensor, attention_mask: torch.
     s = embeddings.size(1)
     return masking_utils.flex_attention_mask(
         batch_size=embeddings.size(0), cache_position=torch.arange(s, device=embeddings.device), kv_length=s,
-        mask_function=lambda b, h, q, kv: torch.ones_like(q, dtype=torch.bool), attention_mask=attention_mask.bool(),
-    )
+        mask_function=lambda b, h, q, kv: torch.ones_like(q, dtype=torch.bool), attention_mask=attention_mask.bool())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,6 +124,8 @@ def _cpu_vendor() -> str:
 
 
 _CPU_VENDOR = _cpu_vendor()  # read once, at import (never inside a forward, so torch.compile sees no I/O)
+# torch's CPU bernoulli_ (dropout's mask) draws one element at a time (2 Mersenne-twister draws each) but with MKL on Intel (item 10)
+_SERIAL_BERNOULLI = not (torch.backends.mkl.is_available() and _CPU_VENDOR == "GenuineIntel")
 
 
 def linear_kernel(setting="auto", dtype: torch.dtype = torch.float32) -> str:
@@ -200,6 +200,21 @@ class BertImplLinear(nn.Linear):
         return F.linear(x, w, b)
 
 
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout as BERT applies it (inverted): in training each element is kept with probability 1 - p and scaled by 1/(1 - p),
+    else 0. F.dropout, except where torch's CPU mask is drawn one element at a time (`_SERIAL_BERNOULLI`): there an element is
+    kept iff 32 random bits of torch's generator, read as an int32, are below (1 - p)·2^32 - 2^31 (p resolved to 2^-32)."""
+    if not (training and 0 < p < 1 and _SERIAL_BERNOULLI and x.is_cpu and type(x) is torch.Tensor and not torch.compiler.is_compiling()):
+        return F.dropout(x, p, training)
+    bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64, device="cpu").random_(-2**63, None).view(torch.int32)
+    return x * (bits[:x.numel()].view(x.shape) < min(round((1 - p) * 2**32), 2**32 - 1) - 2**31) * (1 / (1 - p))
+
+
+class BertImplDropout(nn.Dropout):  # nn.Dropout through `_dropout`
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _dropout(x, self.p, self.training)
+
+
 # ----------------------------------------------------------------------------------------------
 # The formulas
 
@@ -231,16 +246,15 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
                             attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     """Scaled dot-product attention of [1], written out: Attention(Q, K, V) = softmax(QKᵀ/√d_k + M) V.
 
-    query, key, value: (b, h, s, d); attention_mask M: additive, broadcastable to (b, h, s, s), 0 where
-    a key may be attended and the dtype's minimum where it is padding. `scaling` is 1/√d_k.
-    Returns the output as (b, s, h, d) (the layout every transformers attention function returns)
-    and the attention probabilities (b, h, s, s).
+    query, key, value: (b, h, s, d); attention_mask M: additive, broadcastable to (b, h, s, s), 0 where a key may be attended
+    and the dtype's minimum where it is padding. `scaling` is 1/√d_k; in training the probabilities take dropout `dropout`.
+    Returns the output as (b, s, h, d) (the layout of every transformers attention function) and the probabilities (b, h, s, s).
     """
     scores = torch.matmul(query, key.transpose(-2, -1)) * scaling  # (b, h, s, s)
     if attention_mask is not None:
         scores = scores + attention_mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (b, h, s, s)
-    probs = F.dropout(probs, p=dropout, training=module.training)
+    probs = _dropout(probs, dropout, module.training)
     out = torch.matmul(probs, value)  # (b, h, s, d)
     return out.transpose(1, 2).contiguous(), probs  # (b, s, h, d)
 
@@ -248,12 +262,11 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
 def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
     """The masked-LM loss of [2]: L = -Σ_i log P(x_i | x_\\i) over the positions whose label is not -100.
 
-    Divided by the number of such positions in this batch, or by `num_items_in_batch` when the caller
-    (Trainer) passes the count over all accumulated micro-batches, so that 4 accumulated batches of 2
-    give exactly the update of one batch of 8. A batch with no masked position gives 0, not NaN
-    (transformers' ForMaskedLMLoss takes a mean there, NaN). logits: (..., V), labels: (...). Half-precision
-    logits are not cast: their per-token losses (as transformers' BertForMaskedLM's) are summed in float32, sparing a
-    float32 copy of the (N, V) logits. On the CPU only labelled rows enter the cross-entropy (the rest add 0).
+    Divided by the number of such positions in this batch, or by `num_items_in_batch` when the caller (Trainer) passes the count
+    over all accumulated micro-batches, so that 4 accumulated batches of 2 give exactly the update of one batch of 8. A batch with
+    no masked position gives 0, not NaN (transformers' ForMaskedLMLoss takes a mean there, NaN). logits: (..., V), labels: (...).
+    Half-precision logits are not cast: their per-token losses (as transformers' BertForMaskedLM's) are summed in float32, sparing
+    a float32 copy of the (N, V) logits. On the CPU only labelled rows enter the cross-entropy (the rest add 0).
     """
     logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)  # (N, V), (N,)
     keep = labels.ne(IGNORE_INDEX).nonzero().squeeze(1) if _values_on_host(labels) and not torch.compiler.is_compiling() else None
@@ -288,7 +301,7 @@ class BertImplEmbeddings(nn.Module):
             pe = sinusoidal_position_encoding(config.max_position_embeddings, config.hidden_size)  # (P, H)
             self.register_buffer("position_encoding", pe, persistent=False)  # fixed by the formula: not a weight, not saved
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = BertImplDropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None) -> torch.Tensor:
         """ids: (b, s), position_ids (b|1, s), inputs_embeds (b, s, H) -> (b, s, H)."""
@@ -439,6 +452,8 @@ class BertImplSelfAttention(nn.Module):
             qkv = qkv.new_zeros(n * m, 3 * h * d).index_copy(0, tokens.grid_index, qkv.view(-1, 3 * h * d))  # (n*m, 3H)
         parts = qkv.split(tokens.seq_lengths, dim=1) if tokens.seq_lengths is not None else (qkv.view(n, m, 3 * h * d),)
         impl = "eager" if output_attentions else self.config._attn_implementation  # eager materialises probabilities
+        if impl == "sdpa" and self.training and self.attention_dropout and _SERIAL_BERNOULLI and qkv.device.type == "cpu":
+            impl = "eager"  # SDPA's CPU kernels have no dropout: it would run this formula with F.dropout's serial mask
         outs = [_attention_function(impl)(self, *part.unflatten(-1, (3, h, d)).permute(2, 0, 3, 1, 4), tokens.mask, scaling=self.scaling,
                                           dropout=self.attention_dropout if self.training else 0.0, **tokens.attention_kwargs, **kwargs)
                 for part in parts]  # one call on the (n, m) grid or one per sequence (1, L): q, k, v (n, h, m, d) -> (out, probs)
@@ -470,7 +485,7 @@ class BertImplLayer(GradientCheckpointingLayer):
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = BertImplMLP(config)
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = BertImplDropout(config.hidden_dropout_prob)
 
     def forward(self, hidden_states, tokens: TokenMap, output_attentions=False, **kwargs):
         attn_out, probs = self.attn(hidden_states, tokens, output_attentions, **kwargs)
@@ -629,10 +644,8 @@ class BertImplModel(BertImplPreTrainedModel):
         if (cu_seqlens := packed["cu_seq_lens_q"]) is not None:
             cu_seqlens = cu_seqlens.to(torch.long).view(-1)
             if cu_seqlens[[0, -1]].tolist() != [0, s]:
-                raise ValueError(
-                    f"cu_seq_lens_q {cu_seqlens.tolist()} must run from 0 to the packed length {s}; pass the "
-                    "collator's kwargs unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
-                )
+                raise ValueError(f"cu_seq_lens_q {cu_seqlens.tolist()} must run from 0 to the packed length {s}; pass the "
+                                 "collator's kwargs unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
             starts = cu_seqlens[:-1]
         elif position_ids is not None:
             starts = _sequence_starts(position_ids)
@@ -716,16 +729,13 @@ class _BertImplMLMHeadModel(BertImplPreTrainedModel):
         self.lm_head.decoder = new_embeddings
 
     def _mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch):
-        """The MLM head and `masked_lm_loss` for (b, s, H) states and (b, s) labels. With
-        `config.sparse_prediction` the head runs on the n labelled positions only (item 7): logits
-        (n, V), the same loss (unlabelled positions add 0)."""
+        """The MLM head and `masked_lm_loss` for (b, s, H) states and (b, s) labels. With `config.sparse_prediction` the head
+        runs on the n labelled positions only (item 7): logits (n, V), the same loss (unlabelled positions add 0)."""
         if labels is None:
             return self.lm_head(sequence_output), None  # (b, s, V)
         if tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
-            raise ValueError(
-                f"labels have shape {tuple(labels.shape)} but the input has shape {tuple(sequence_output.shape[:-1])}; "
-                "pass one label per token (-100 where there is nothing to predict)"
-            )
+            raise ValueError(f"labels have shape {tuple(labels.shape)} but the input has shape {tuple(sequence_output.shape[:-1])}; "
+                             "pass one label per token (-100 where there is nothing to predict)")
         if self.config.sparse_prediction and not torch.compiler.is_compiling():
             keep = labels.reshape(-1).ne(IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
             sequence_output = sequence_output.reshape(-1, sequence_output.size(-1)).index_select(0, keep)  # (n, H)
@@ -799,22 +809,24 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
         return NextSentencePredictorOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-def _classifier_dropout(config: BertImplConfig) -> nn.Dropout:
-    return nn.Dropout(config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout)
+class _BertImplClassifierModel(BertImplPreTrainedModel):
+    """What three heads share: encoder (pooler unless `_pooled` is False), dropout (classifier_dropout, else hidden's), classifier."""
 
-
-class BertImplForSequenceClassification(BertImplPreTrainedModel):
-    """Encoder + pooler + linear classifier. The loss follows `config.problem_type` (transformers' ForSequenceClassificationLoss):
-    "regression" (MSE; the default when num_labels == 1), "single_label_classification" (cross-entropy; integer labels)
-    or "multi_label_classification" (BCE with logits; float labels)."""
+    _pooled, _one_score = True, False
 
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.bert = BertImplModel(config)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.bert = BertImplModel(config, add_pooling_layer=self._pooled)
+        self.dropout = BertImplDropout(config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, 1 if self._one_score else config.num_labels)
         self.post_init()
+
+
+class BertImplForSequenceClassification(_BertImplClassifierModel):
+    """Encoder + pooler + linear classifier. The loss follows `config.problem_type` (transformers' ForSequenceClassificationLoss):
+    "regression" (MSE; the default when num_labels == 1), "single_label_classification" (cross-entropy; integer labels)
+    or "multi_label_classification" (BCE with logits; float labels)."""
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -828,16 +840,10 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-class BertImplForTokenClassification(BertImplPreTrainedModel):
+class BertImplForTokenClassification(_BertImplClassifierModel):
     """Encoder + per-token linear classifier (NER, POS); labels -100 are ignored."""
 
-    def __init__(self, config: BertImplConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.bert = BertImplModel(config, add_pooling_layer=False)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
+    _pooled = False
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -871,15 +877,10 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
                                             hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-class BertImplForMultipleChoice(BertImplPreTrainedModel):
+class BertImplForMultipleChoice(_BertImplClassifierModel):
     """Encoder + pooler + one score per choice; inputs are (b, c, s), logits (b, c)."""
 
-    def __init__(self, config: BertImplConfig):
-        super().__init__(config)
-        self.bert = BertImplModel(config)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, 1)
-        self.post_init()
+    _one_score = True
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -893,8 +894,7 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
 
 
 __all__ = [
-    "BertImplPreTrainedModel", "BertImplModel", "BertImplForMaskedLM", "BertImplForPreTraining",
-    "BertImplForNextSentencePrediction", "BertImplForSequenceClassification", "BertImplForTokenClassification",
-    "BertImplForQuestionAnswering", "BertImplForMultipleChoice", "BertImplForPreTrainingOutput",
-    "sinusoidal_position_encoding", "eager_attention_forward", "masked_lm_loss",
+    "BertImplPreTrainedModel", "BertImplModel", "BertImplForMaskedLM", "BertImplForPreTraining", "BertImplForNextSentencePrediction",
+    "BertImplForSequenceClassification", "BertImplForTokenClassification", "BertImplForQuestionAnswering", "BertImplForMultipleChoice",
+    "BertImplForPreTrainingOutput", "sinusoidal_position_encoding", "eager_attention_forward", "masked_lm_loss",
 ]

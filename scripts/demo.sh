@@ -31,7 +31,7 @@ $py scripts/pretrain_mlm.py --output_dir "$out/mlm-tiny" --model_size tiny --tok
 
 echo "== 2/3 fine-tuning it on the embedded statement-topic task -> $out/statement-topic"
 $py scripts/finetune.py --model_name_or_path "$out/mlm-tiny" --output_dir "$out/statement-topic" \
-  --max_seq_length 48 --per_device_train_batch_size 32 --per_device_eval_batch_size 128 --learning_rate 1e-3 \
+  --max_seq_length 48 --per_device_train_batch_size 32 --per_device_eval_batch_size 128 --learning_rate 5e-4 \
   --warmup_steps 10 --num_train_epochs 12 --logging_steps 5 --eval_strategy epoch --save_strategy epoch \
   --save_total_limit 1 --load_best_model_at_end --metric_for_best_model matthews_correlation \
   --report_to none --use_cpu --seed 42

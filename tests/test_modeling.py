@@ -338,15 +338,18 @@ def test_bad_inputs_raise_value_error(debug_config, batch, case, match):
 # Training machinery
 
 
-def test_gradient_checkpointing_gives_same_gradients(debug_config, batch):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gradient_checkpointing_gives_same_gradients(debug_config, batch, dropout):
+    """With dropout on, the recomputed forward must redraw the same masks (checkpointing restores torch's CPU generator)."""
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config()).train()
+    model = BertImplForMaskedLM(debug_config(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)).train()
     ckpt = copy.deepcopy(model)
     ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert ckpt.is_gradient_checkpointing and not model.is_gradient_checkpointing
     input_ids, attention_mask, token_type_ids = batch
     labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
     for m in (model, ckpt):
+        torch.manual_seed(1)
         m(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels).loss.backward()
     for (name, p), q in zip(model.named_parameters(), ckpt.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-7, rtol=0), name

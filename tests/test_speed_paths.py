@@ -425,6 +425,96 @@ def test_every_linear_kernel_branch_gives_the_same_outputs_and_gradients(debug_c
 
 
 # ---------------------------------------------------------------------------------------------
+# Dropout masks on the CPU (`_dropout`: 32 random bits per element where torch draws them serially)
+
+
+@pytest.fixture
+def fast_dropout(monkeypatch):
+    """`_dropout`'s own mask on any CPU (on Intel with MKL it defers to F.dropout)."""
+    monkeypatch.setattr(mb, "_SERIAL_BERNOULLI", True)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_cpu_dropout_keeps_each_element_with_probability_1_minus_p(p, fast_dropout):
+    """Bernoulli(1 - p) masks, kept values scaled by 1/(1 - p) exactly as a float32 product: over 2M elements the dropped
+    fraction, and the fraction of adjacent pairs (the two halves of one 64-bit draw) both dropped, are within 5 binomial
+    standard deviations of p and p²."""
+    n = 2_000_000
+    x = torch.randn(n)
+    y = mb._dropout(x, p, True)
+    dropped = y == 0
+    assert abs(dropped.double().mean().item() - p) <= 5 * (p * (1 - p) / n) ** 0.5
+    both = (dropped[0::2] & dropped[1::2]).double().mean().item()
+    assert abs(both - p * p) <= 5 * (p * p * (1 - p * p) / (n // 2)) ** 0.5
+    assert torch.equal(y[~dropped], x[~dropped] * (1 / (1 - p)))
+    xb = x[:1000].bfloat16()  # bf16: the product rounded once, from float32
+    yb = mb._dropout(xb, p, True)
+    assert torch.equal(yb[yb != 0], (xb.float() * (1 / (1 - p))).bfloat16()[yb != 0])
+
+
+def test_cpu_dropout_gradient_seed_and_identity_cases(fast_dropout):
+    """The gradient is the kept mask times 1/(1 - p); torch's generator (manual_seed) decides the mask; eval, p = 0,
+    and (on Intel with MKL, `_SERIAL_BERNOULLI` False) every case are F.dropout's, bit for bit."""
+    x = torch.randn(4, 5, 6, requires_grad=True)
+    g = torch.randn(4, 5, 6)
+    torch.manual_seed(3)
+    y = mb._dropout(x, 0.25, True)
+    y.backward(g)
+    assert torch.equal(x.grad, torch.where(y != 0, g * (1 / 0.75), 0.0))
+    torch.manual_seed(3)
+    assert torch.equal(mb._dropout(x, 0.25, True), y) and not torch.equal(mb._dropout(x, 0.25, True), y)
+    assert mb._dropout(x, 0.25, False) is x and mb._dropout(x, 0.0, True).equal(x)
+    mb._SERIAL_BERNOULLI = False  # restored by the fixture's monkeypatch
+    torch.manual_seed(3)
+    theirs = F.dropout(x, 0.25, True)
+    torch.manual_seed(3)
+    assert torch.equal(mb._dropout(x, 0.25, True), theirs)
+
+
+@pytest.mark.parametrize("serial", [True, False])
+def test_training_attention_with_dropout_runs_eager_where_cpu_masks_are_serial(debug_config, batch, serial, monkeypatch):
+    """Training with attention dropout on the CPU: where torch's masks are serial, attention runs the eager formula with
+    `_dropout` (SDPA would run the same formula with F.dropout), and no module draws a mask with bernoulli_; on Intel with
+    MKL SDPA as configured. Either way the probabilities are dropped: the same seed repeats a step, another changes it."""
+    monkeypatch.setattr(mb, "_SERIAL_BERNOULLI", serial)
+    impls, get = [], mb._attention_function
+    monkeypatch.setattr(mb, "_attention_function", lambda impl: impls.append(impl) or get(impl))
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)).train()
+    assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {mb.BertImplDropout}
+    input_ids, attention_mask, _ = batch
+    outs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        with torch.profiler.profile() as prof:
+            outs.append(model(input_ids, attention_mask=attention_mask).last_hidden_state)
+    assert set(impls) == {"eager" if serial else "sdpa"}
+    assert any(e.key == "aten::bernoulli_" for e in prof.key_averages()) != serial
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    impls.clear()
+    model.eval()(input_ids, attention_mask=attention_mask)
+    assert set(impls) == {"sdpa"}
+
+
+def test_eager_training_attention_drops_the_probabilities(debug_config, fast_dropout):
+    """One attention block in training: its output equals softmax(QKᵀ/√d) with `_dropout`'s mask (same seed), times V,
+    then W^O, to 1e-6."""
+    torch.manual_seed(0)
+    config = debug_config(attention_probs_dropout_prob=0.3)
+    attn = mb.BertImplSelfAttention(config).train()
+    x = torch.randn(1, 6, config.hidden_size)
+    tokens = mb.TokenMap((1, 6), (1, 6))
+    torch.manual_seed(5)
+    out, _ = attn(x, tokens)
+    q, k, v = attn.Wqkv(x).view(1, 6, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (b, h, s, d) each
+    torch.manual_seed(5)
+    probs = mb._dropout(torch.softmax(q @ k.transpose(-2, -1) * attn.scaling, -1), 0.3, True)
+    ref = attn.Wo((probs @ v).transpose(1, 2).reshape(1, 6, -1))
+    assert (out - ref).abs().max().item() <= 1e-6
+    assert (probs == 0).any()  # some probabilities were dropped: the check sees the mask
+
+
+# ---------------------------------------------------------------------------------------------
 # Input checks without a host sync on accelerators
 
 
