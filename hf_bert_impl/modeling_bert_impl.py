@@ -124,7 +124,7 @@ def _cpu_vendor() -> str:
 
 
 _CPU_VENDOR = _cpu_vendor()  # read once, at import (never inside a forward, so torch.compile sees no I/O)
-# torch's CPU bernoulli_ (dropout's mask) draws one element at a time (2 Mersenne-twister draws each) but with MKL on Intel (item 10)
+# torch's CPU bernoulli_ (dropout's mask) draws one element at a time (2 Mersenne-twister draws each), except MKL's on Intel (item 10)
 _SERIAL_BERNOULLI = not (torch.backends.mkl.is_available() and _CPU_VENDOR == "GenuineIntel")
 
 

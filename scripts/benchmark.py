@@ -19,6 +19,10 @@ Copy-paste commands:
     python scripts/benchmark.py --size base --onednn_linear false
     python scripts/benchmark.py --size base --onednn_linear true
 
+    # ours' dropout masks in training (default auto: 32 random bits per element where torch's CPU bernoulli_ is
+    # serial, i.e. all but Intel with MKL; torch = F.dropout and SDPA, as before 0.3.5; bits = the 32-bit masks anywhere)
+    python scripts/benchmark.py --size base --workloads mlm,mlm_dense --dropout_masks torch
+
     # on a GPU (also against transformers' flash-attention when flash-attn is installed)
     python scripts/benchmark.py --size base --dtype bf16 --device cuda --backends sdpa,flash_attention_2 \
         --json benchmarks/cuda_base_bf16.json
@@ -71,6 +75,7 @@ from hf_bert_impl import BertImplForMaskedLM
 from hf_bert_impl.cli import machine_record, write_result_json
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
+from hf_bert_impl import modeling_bert_impl
 from hf_bert_impl.modeling_bert_impl import _ONEDNN_LINEAR as ONEDNN_LINEAR
 
 # --dtype: the weights' dtype; "autocast" keeps float32 weights and runs every workload's forward under
@@ -124,6 +129,12 @@ class BenchmarkArguments:
         default="auto",
         metadata={"help": "ours: float32 CPU linear layers: auto (by CPU vendor), true (oneDNN) or false (torch's BLAS)"},
     )
+    dropout_masks: str = field(
+        default="auto",
+        metadata={"help": "ours' dropout in training: auto (32 random bits per element where torch's CPU bernoulli_ is serial, "
+                          "torch's elsewhere), torch (F.dropout and SDPA on every CPU, as before 0.3.5) or bits (the 32-bit "
+                          "masks and eager attention on every CPU)"},
+    )
     json: str | None = field(default=None, metadata={"help": "also write every number to this JSON file"})
 
 
@@ -162,6 +173,8 @@ def check_args(args: BenchmarkArguments) -> None:
         fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     if args.onednn_linear not in ("auto", "true", "false"):
         fail(f"--onednn_linear must be auto, true or false, got {args.onednn_linear!r}")
+    if args.dropout_masks not in ("auto", "torch", "bits"):
+        fail(f"--dropout_masks must be auto, torch or bits, got {args.dropout_masks!r}")
     if args.autocast_scope not in ("forward", "run"):
         fail(f"--autocast_scope must be forward or run, got {args.autocast_scope!r}")
     if args.autocast_scope == "run" and args.dtype != "autocast":
@@ -740,6 +753,8 @@ def main(argv=None):
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dropout_masks != "auto":  # for this process: the mask `_dropout` draws and the attention route in training
+        modeling_bert_impl._SERIAL_BERNOULLI = args.dropout_masks == "bits"
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = DTYPES[args.dtype]

@@ -1123,6 +1123,18 @@ def test_benchmark_autocast_scope_run_times_inference_inside_one_context(tmp_pat
     assert timed[-1] is False  # the default: a context per forward
 
 
+@pytest.mark.parametrize("masks,route", [("torch", "sdpa"), ("bits", "eager")])
+def test_benchmark_dropout_masks_choose_ours_training_dropout(tmp_path, monkeypatch, masks, route):
+    """--dropout_masks torch: ours trains with F.dropout and SDPA (as before 0.3.5); bits: the 32-bit masks and eager
+    attention, on any CPU. Seen in the attention route of ours' timed training steps (BertConfig's dropout 0.1)."""
+    monkeypatch.setattr(mb, "_SERIAL_BERNOULLI", mb._SERIAL_BERNOULLI)  # the script sets it for its process; restored here
+    impls, get = [], mb._attention_function
+    monkeypatch.setattr(mb, "_attention_function", lambda impl: impls.append(impl) or get(impl))
+    result = _tiny_benchmark(tmp_path, "--dropout_masks", masks, "--workloads", "mlm", "--memory", "false")
+    assert result["args"]["dropout_masks"] == masks and mb._SERIAL_BERNOULLI == (masks == "bits")
+    assert ("eager" in impls) == (route == "eager")  # the output checks (eval) run sdpa either way
+
+
 def test_benchmark_against_onnxruntime(tmp_path):
     """transformers' BERT and ours exported to ONNX, checked (<= 1e-4) and timed against ours."""
     pytest.importorskip("onnxruntime")
@@ -1154,6 +1166,7 @@ def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     (["--against", "onnxruntime", "--dtype", "bf16"], "--against onnxruntime runs on the CPU in fp32"),
     (["--autocast_scope", "always"], "--autocast_scope must be forward or run, got 'always'"),
     (["--autocast_scope", "run"], "--autocast_scope run needs --dtype autocast, got --dtype fp32"),
+    (["--dropout_masks", "cuda"], "--dropout_masks must be auto, torch or bits, got 'cuda'"),
 ])
 def test_benchmark_rejects_bad_arguments(argv, message, capsys):
     bench = _benchmark_module()
