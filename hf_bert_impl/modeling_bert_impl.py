@@ -124,8 +124,7 @@ def _cpu_vendor() -> str:
 
 
 _CPU_VENDOR = _cpu_vendor()  # read once, at import (never inside a forward, so torch.compile sees no I/O)
-# torch's CPU bernoulli_ (dropout's mask) draws one element at a time (2 Mersenne-twister draws each), except MKL's on Intel (item 10)
-_SERIAL_BERNOULLI = not (torch.backends.mkl.is_available() and _CPU_VENDOR == "GenuineIntel")
+_SERIAL_BERNOULLI = not (torch.backends.mkl.is_available() and _CPU_VENDOR == "GenuineIntel")  # torch's CPU bernoulli_ (item 10)
 
 
 def linear_kernel(setting="auto", dtype: torch.dtype = torch.float32) -> str:
@@ -200,11 +199,14 @@ class BertImplLinear(nn.Linear):
         return F.linear(x, w, b)
 
 
+def _own_mask(x: torch.Tensor, p: float, training: bool) -> bool:  # where torch would draw the mask element by element
+    return training and 0 < p < 1 and _SERIAL_BERNOULLI and x.is_cpu and type(x) is torch.Tensor and not torch.compiler.is_compiling()
+
+
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout as BERT applies it (inverted): in training each element is kept with probability 1 - p and scaled by 1/(1 - p),
-    else 0. F.dropout, except where torch's CPU mask is drawn one element at a time (`_SERIAL_BERNOULLI`): there an element is
-    kept iff 32 random bits of torch's generator, read as an int32, are below (1 - p)·2^32 - 2^31 (p resolved to 2^-32)."""
-    if not (training and 0 < p < 1 and _SERIAL_BERNOULLI and x.is_cpu and type(x) is torch.Tensor and not torch.compiler.is_compiling()):
+    """Dropout as BERT applies it (inverted): in training each element kept with probability 1 - p and scaled by 1/(1 - p), else
+    0. F.dropout, but where `_own_mask`: kept iff 32 random bits of torch's generator (int32) < (1 - p)·2^32 - 2^31 (p to 2^-32)."""
+    if not _own_mask(x, p, training):
         return F.dropout(x, p, training)
     bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64, device="cpu").random_(-2**63, None).view(torch.int32)
     return x * (bits[:x.numel()].view(x.shape) < min(round((1 - p) * 2**32), 2**32 - 1) - 2**31) * (1 / (1 - p))
@@ -330,13 +332,12 @@ class BertImplEmbeddings(nn.Module):
 class TokenMap:
     """Where the tokens the layers run on sit; built once per forward, read by every layer.
 
-    The layers run on the padded batch (b, s, H), or on its T real tokens (1, T, H) with each sequence
-    contiguous; `indices` (T,) are their places in the flattened (b*s) batch (None: every position).
-    Attention sees them as `grid` (n, m), n sequences of m slots, with `mask` (additive, or the
-    backend's format) or None. The padded batch is its own grid (b, s). Real tokens stay a (1, T) grid
-    and attend per sequence: one unmasked call each of `seq_lengths` on CPU (no work on padding),
-    cu_seqlens (n + 1,) and max_seqlen in `attention_kwargs` for flash-attention (varlen); elsewhere
-    they go to slots `grid_index` (T,) of a compact masked grid (m = the longest).
+    The layers run on the padded batch (b, s, H), or on its T real tokens (1, T, H) with each sequence contiguous; `indices`
+    (T,) are their places in the flattened (b*s) batch (None: every position). Attention sees them as `grid` (n, m), n
+    sequences of m slots, with `mask` (additive, or the backend's format) or None. The padded batch is its own grid (b, s).
+    Real tokens stay a (1, T) grid and attend per sequence: one unmasked call each of `seq_lengths` on CPU (no work on
+    padding), cu_seqlens (n + 1,) and max_seqlen in `attention_kwargs` for flash-attention (varlen); elsewhere they go to
+    slots `grid_index` (T,) of a compact masked grid (m = the longest).
     """
 
     batch_shape: tuple[int, int]
@@ -451,9 +452,8 @@ class BertImplSelfAttention(nn.Module):
         if tokens.grid_index is not None:  # each real token into its slot of the (n, m) grid
             qkv = qkv.new_zeros(n * m, 3 * h * d).index_copy(0, tokens.grid_index, qkv.view(-1, 3 * h * d))  # (n*m, 3H)
         parts = qkv.split(tokens.seq_lengths, dim=1) if tokens.seq_lengths is not None else (qkv.view(n, m, 3 * h * d),)
-        impl = "eager" if output_attentions else self.config._attn_implementation  # eager materialises probabilities
-        if impl == "sdpa" and self.training and self.attention_dropout and _SERIAL_BERNOULLI and qkv.device.type == "cpu":
-            impl = "eager"  # SDPA's CPU kernels have no dropout: it would run this formula with F.dropout's serial mask
+        impl = self.config._attn_implementation  # eager: materialises probabilities; draws `_dropout`'s mask (SDPA: no CPU dropout)
+        impl = "eager" if output_attentions or impl == "sdpa" and _own_mask(qkv, self.attention_dropout, self.training) else impl
         outs = [_attention_function(impl)(self, *part.unflatten(-1, (3, h, d)).permute(2, 0, 3, 1, 4), tokens.mask, scaling=self.scaling,
                                           dropout=self.attention_dropout if self.training else 0.0, **tokens.attention_kwargs, **kwargs)
                 for part in parts]  # one call on the (n, m) grid or one per sequence (1, L): q, k, v (n, h, m, d) -> (out, probs)

@@ -71,11 +71,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
 
-from hf_bert_impl import BertImplForMaskedLM
+from hf_bert_impl import BertImplForMaskedLM, modeling_bert_impl
 from hf_bert_impl.cli import machine_record, write_result_json
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
-from hf_bert_impl import modeling_bert_impl
 from hf_bert_impl.modeling_bert_impl import _ONEDNN_LINEAR as ONEDNN_LINEAR
 
 # --dtype: the weights' dtype; "autocast" keeps float32 weights and runs every workload's forward under

@@ -84,6 +84,13 @@ def _spy_gemm(monkeypatch, record=lambda a, w: a.reshape(-1, a.size(-1)).size(0)
     return calls
 
 
+def _spy_attention_impls(monkeypatch) -> list:
+    """Records the attention implementation each attention call of ours looks up (`_attention_function`)."""
+    impls, get = [], mb._attention_function
+    monkeypatch.setattr(mb, "_attention_function", lambda impl: impls.append(impl) or get(impl))
+    return impls
+
+
 def _assert_bf16_within_3x_of_nn_linear(layer, x32, g32):
     """`layer` (float32 weights, cast to bf16 here) against nn.Linear in bf16, both against a float32 copy: the
     output and the input, weight and bias gradients of g32 each within 3x nn.Linear's own error (+1e-6), the
@@ -471,14 +478,24 @@ def test_cpu_dropout_gradient_seed_and_identity_cases(fast_dropout):
     assert torch.equal(mb._dropout(x, 0.25, True), theirs)
 
 
+def test_own_masks_only_in_plain_eager_cpu_training(fast_dropout, monkeypatch):
+    """`_own_mask` (which decides both the mask `_dropout` draws and the attention route): training, 0 < p < 1, a plain CPU
+    tensor, not while torch.compile traces (there F.dropout and SDPA, as inductor expects)."""
+    x = torch.randn(3)
+    assert mb._own_mask(x, 0.1, True)
+    assert not any([mb._own_mask(x, 0.1, False), mb._own_mask(x, 0.0, True), mb._own_mask(x.to("meta"), 0.1, True),
+                    mb._own_mask(torch.nn.Parameter(x), 0.1, True)])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not mb._own_mask(x, 0.1, True)
+
+
 @pytest.mark.parametrize("serial", [True, False])
 def test_training_attention_with_dropout_runs_eager_where_cpu_masks_are_serial(debug_config, batch, serial, monkeypatch):
     """Training with attention dropout on the CPU: where torch's masks are serial, attention runs the eager formula with
     `_dropout` (SDPA would run the same formula with F.dropout), and no module draws a mask with bernoulli_; on Intel with
     MKL SDPA as configured. Either way the probabilities are dropped: the same seed repeats a step, another changes it."""
     monkeypatch.setattr(mb, "_SERIAL_BERNOULLI", serial)
-    impls, get = [], mb._attention_function
-    monkeypatch.setattr(mb, "_attention_function", lambda impl: impls.append(impl) or get(impl))
+    impls = _spy_attention_impls(monkeypatch)
     torch.manual_seed(0)
     model = BertImplModel(debug_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)).train()
     assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {mb.BertImplDropout}
@@ -1128,8 +1145,7 @@ def test_benchmark_dropout_masks_choose_ours_training_dropout(tmp_path, monkeypa
     """--dropout_masks torch: ours trains with F.dropout and SDPA (as before 0.3.5); bits: the 32-bit masks and eager
     attention, on any CPU. Seen in the attention route of ours' timed training steps (BertConfig's dropout 0.1)."""
     monkeypatch.setattr(mb, "_SERIAL_BERNOULLI", mb._SERIAL_BERNOULLI)  # the script sets it for its process; restored here
-    impls, get = [], mb._attention_function
-    monkeypatch.setattr(mb, "_attention_function", lambda impl: impls.append(impl) or get(impl))
+    impls = _spy_attention_impls(monkeypatch)
     result = _tiny_benchmark(tmp_path, "--dropout_masks", masks, "--workloads", "mlm", "--memory", "false")
     assert result["args"]["dropout_masks"] == masks and mb._SERIAL_BERNOULLI == (masks == "bits")
     assert ("eager" in impls) == (route == "eager")  # the output checks (eval) run sdpa either way
