@@ -15,8 +15,8 @@ How it differs from transformers' BERT:
   6. Unpadding: padded and packed (DataCollatorWithFlattening) batches run the layers on their real
      tokens only, attention per sequence (`TokenMap`); padding positions of the outputs hold zeros.
   7. `config.sparse_prediction` (training): the MLM head runs on the labelled positions only.
-  8. CPU float32 / bfloat16 linear layers may run on oneDNN instead of torch's BLAS, and the MLM decoder's backward
-     skips positions without a label (`BertImplLinear`).
+  8. CPU float32 / bfloat16 linear layers may run on oneDNN instead of torch's BLAS (float32 inference: GELU inside the GEMM),
+     and the MLM decoder's backward skips positions without a label (`BertImplLinear`).
   9. `save_pretrained` is all or nothing; `from_pretrained` refuses pickled-only, corrupt or incomplete
      checkpoints (`CheckpointSafetyMixin` of checkpoint_bert_impl.py).
   10. CPU dropout masks from 32 random bits per element where torch draws them serially (`_dropout`; attention: eager).
@@ -40,7 +40,7 @@ from .checkpoint_bert_impl import CheckpointSafetyMixin  # all-or-nothing save_p
 
 from transformers import PreTrainedModel
 from transformers import masking_utils
-from transformers.activations import ACT2FN
+from transformers.activations import ACT2FN, GELUActivation, GELUTanh, NewGELUActivation
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (BaseModelOutputWithPooling, MaskedLMOutput, MultipleChoiceModelOutput,
     NextSentencePredictorOutput, QuestionAnsweringModelOutput, SequenceClassifierOutput, TokenClassifierOutput)
@@ -66,8 +66,7 @@ def _init_copy_(tensor: torch.Tensor, value: torch.Tensor) -> None:  # at init; 
 
 
 def _attention_function(impl: str | None):
-    """The attention function registered for `impl`, eager_attention_forward for "eager"
-    (AttentionInterface.get_interface from 5.x on; the registry lookup before that)."""
+    """The attention function registered for `impl`, eager_attention_forward for "eager" (5.x: AttentionInterface.get_interface)."""
     if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
         return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
     return eager_attention_forward if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
@@ -90,23 +89,25 @@ def _bidirectional_mask(config, embeddings: torch.Tensor, attention_mask: torch.
 # The GEMM library of CPU linear layers (item 8)
 
 
-def _onednn_agrees(op, dtype: torch.dtype, tol: float) -> bool:
-    """Whether `op` reproduces F.linear in `dtype` (with, without bias; a transposed weight); any error means no (internal op)."""
+def _onednn_agrees(dtype: torch.dtype = torch.float32, tol: float = 1e-5, post=("none", [], ""), act=None) -> bool:
+    """Whether oneDNN's linear, post-op `post`, reproduces `act`(F.linear) in `dtype` (bias, none, Wᵀ); an error means no."""
     try:
         g = torch.Generator().manual_seed(0)
         x, w, b, y = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 8), (3, 8), (3,), (5, 3)))
-        return all(torch.allclose(op(*args, "none", [], "").float(), F.linear(*args).float(), atol=tol, rtol=tol)
-                   for args in ((x, w, b), (x, w, None), (y, w.t(), None)))
+        return all(torch.allclose(_ONEDNN_LINEAR(*args, *post).float(), (act or nn.Identity())(F.linear(*args)).float(),
+                                  atol=tol, rtol=tol) for args in ((x, w, b), (x, w, None), (y, w.t(), None)))
     except Exception:  # noqa: BLE001  any failure of an internal op means: do not use it
         return False
 
 
 # oneDNN's linear op (torch.compile's CPU GEMM) and the dtypes where it reproduces F.linear, probed at import; else nn.Linear's.
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-_ONEDNN_DTYPES = tuple(dt for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2))
-                       if _ONEDNN_LINEAR is not None and _onednn_agrees(_ONEDNN_LINEAR, dt, tol))
+_ONEDNN_DTYPES = tuple(dt for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)) if _onednn_agrees(dt, tol))
 if torch.float32 not in _ONEDNN_DTYPES:
     _ONEDNN_LINEAR, _ONEDNN_DTYPES = None, ()
+# activation class -> oneDNN's post-op applying it inside the float32 GEMM (inference), where a probe at import agrees
+_ONEDNN_ACTS = {cls: post for cls, post in {GELUActivation: ("gelu", [], "none"), GELUTanh: ("gelu", [], "tanh"),
+                NewGELUActivation: ("gelu", [], "tanh"), nn.ReLU: ("relu", [], "")}.items() if _onednn_agrees(post=post, act=cls())}
 
 # "auto" takes oneDNN for: fp32 on AMD (MKL's is slow there; on Intel it wins), bf16 on both (both paths run oneDNN's GEMM;
 # its op fuses the bias, and it is the bf16 branch measured on Intel). Others: torch's BLAS, as transformers does.
@@ -174,15 +175,16 @@ _CAST_BUFFERS = threading.local()  # per thread: (shape, dtype) -> the buffer no
 
 
 class BertImplLinear(nn.Linear):
-    """nn.Linear on oneDNN where `linear_kernel(config.onednn_linear, dtype)` says so; `skip_zero_rows`: in training, the
-    backward skips rows whose gradient is zero (`_LinearFunction`). Per call only what can change is looked at: dtype, device,
-    plain tensors, grad mode, CPU autocast (to bfloat16: GEMM in bfloat16 on either path; else nn.Linear's), graph capture."""
+    """nn.Linear on oneDNN where `linear_kernel(config.onednn_linear, dtype)` says so; `skip_zero_rows`: in training, the backward
+    skips rows whose gradient is zero (`_LinearFunction`). forward(x, act) = act(x Wᵀ + b); in float32 inference on oneDNN an
+    unhooked GELU / ReLU runs inside the GEMM (`_ONEDNN_ACTS`: no pass over, nor buffer for, the pre-activation). Per call only
+    what can change is looked at: dtype, device, plain tensors, grad mode, CPU autocast (GEMM in bf16 on either path), capture."""
 
     def __init__(self, config: BertImplConfig, in_features: int, out_features: int, skip_zero_rows: bool = False):
         super().__init__(in_features, out_features)
         self.config, self.skip_zero_rows = config, skip_zero_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         w, b, autocast = self.weight, self.bias, torch.is_autocast_enabled("cpu")
         dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype  # the dtype the GEMM runs in
         plain = (w.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and x.numel() > 0
@@ -191,12 +193,17 @@ class BertImplLinear(nn.Linear):
                  or torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export()))
         onednn = plain and linear_kernel(self.config.onednn_linear, dtype) == "onednn"
         skip_zero_rows = plain and self.skip_zero_rows and torch.is_grad_enabled()
+        post = (_ONEDNN_ACTS.get(type(act)) if onednn and dtype == torch.float32 and act is not None and not torch.is_grad_enabled()
+                and not (act._forward_hooks or act._forward_pre_hooks) else None)  # oneDNN's post-op computing act
         if onednn or skip_zero_rows:
             if onednn and w.dtype != dtype and not torch.is_grad_enabled():  # autocast inference: cast anew each call into a
                 buffers, key = vars(_CAST_BUFFERS), (tuple(w.shape), dtype)  # kept buffer; a fresh copy per call can cost more
                 w = (buffers[key] if key in buffers else buffers.setdefault(key, w.new_empty(w.shape, dtype=dtype))).copy_(w)
-            return _LinearFunction.apply(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype), onednn, skip_zero_rows)
-        return F.linear(x, w, b)
+            x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+            y = _ONEDNN_LINEAR(x, w, b, *post) if post else _LinearFunction.apply(x, w, b, onednn, skip_zero_rows)
+        else:
+            y = F.linear(x, w, b)
+        return y if act is None or post else act(y)
 
 
 def _own_mask(x: torch.Tensor, p: float, training: bool) -> bool:  # where torch would draw the mask element by element
@@ -398,14 +405,12 @@ class TokenMap:
 
 
 def _additive_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(b, s) 1/0 mask -> (b, 1, 1, s) additive mask: 0 to attend, the dtype's minimum for padding.
-    The minimum (not -inf) keeps a fully padded row finite: its softmax is uniform, not NaN."""
+    """(b, s) 1/0 mask -> (b, 1, 1, s) additive: 0 to attend, else the dtype's minimum (an all-padding row: uniform, not NaN)."""
     return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
 def _block_diagonal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(1, s) packed position ids -> (1, 1, s, s) additive mask letting a token attend only inside its
-    own sequence (a sequence starts where its position id is 0). Tensor ops only, so it compiles."""
+    """(1, s) packed position ids -> (1, 1, s, s) additive mask: attend inside one's sequence (from position id 0); compiles."""
     seq = position_ids.eq(0).cumsum(-1)  # (1, s): index of the sequence each token belongs to
     same = seq[:, :, None] == seq[:, None, :]  # (1, s, s)
     return (~same[:, None]).to(dtype) * torch.finfo(dtype).min  # (1, 1, s, s)
@@ -428,16 +433,14 @@ class BertImplSelfAttention(nn.Module):
 
         MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,  head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)
 
-    `Wqkv` holds [W^Q; W^K; W^V] stacked along the output dimension (one matmul for all three);
-    head i uses columns i*d:(i+1)*d of each. `Wo` is W^O. The attention function comes from
-    transformers' attention interface (`config._attn_implementation`).
+    `Wqkv` holds [W^Q; W^K; W^V] stacked along the output dimension (one matmul for all three); head i uses columns
+    i*d:(i+1)*d of each. `Wo` is W^O. The attention function comes from transformers' interface (`config._attn_implementation`).
     """
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
         self.config = config
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.num_heads, self.head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim**-0.5  # 1/√d_k
         self.is_causal = False  # read by the sdpa / flash integrations: BERT attends both ways
         self.Wqkv = BertImplLinear(config, config.hidden_size, 3 * config.hidden_size)
@@ -445,8 +448,7 @@ class BertImplSelfAttention(nn.Module):
         self.attention_dropout = config.attention_probs_dropout_prob
 
     def forward(self, hidden_states: torch.Tensor, tokens: TokenMap, output_attentions: bool = False, **kwargs):
-        """hidden_states: (b, s, H) or (1, T, H) as `tokens` says; returns the same shape, and the
-        probabilities (b, h, s, s) when `output_attentions` (eager, the padded batch), else None."""
+        """hidden_states (b, s, H) or (1, T, H) as `tokens` says -> that shape, and if output_attentions (b, h, s, s) probs."""
         (n, m), h, d = tokens.grid, self.num_heads, self.head_dim
         qkv = self.Wqkv(hidden_states)  # (b, s, 3H) or (1, T, 3H)
         if tokens.grid_index is not None:  # each real token into its slot of the (n, m) grid
@@ -464,7 +466,7 @@ class BertImplSelfAttention(nn.Module):
 
 
 class BertImplMLP(nn.Module):
-    """Position-wise feed-forward block: Wo(act(Wi x))."""
+    """Position-wise feed-forward block: Wo(act(Wi x)); on oneDNN in float32 inference act runs inside Wi's GEMM."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
@@ -473,7 +475,7 @@ class BertImplMLP(nn.Module):
         self.Wo = BertImplLinear(config, config.intermediate_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.Wo(self.act(self.Wi(hidden_states)))
+        return self.Wo(self.Wi(hidden_states, self.act))
 
 
 class BertImplLayer(GradientCheckpointingLayer):
@@ -515,7 +517,7 @@ class BertImplLMHead(nn.Module):
         self.decoder = BertImplLinear(config, config.hidden_size, config.vocab_size, skip_zero_rows=True)  # tied to word_embeddings
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.norm(self.act(self.dense(hidden_states))))  # (..., V)
+        return self.decoder(self.norm(self.dense(hidden_states, self.act)))  # (..., V)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -654,8 +656,7 @@ class BertImplModel(BertImplPreTrainedModel):
         return TokenMap.from_packed(s, starts, dtype, flash) if starts.numel() > 1 else None
 
     def _padded_token_map(self, attention_mask, padding, embeddings, output_attentions, position_ids) -> TokenMap:
-        """The padded batch as its own grid, with the mask in the format the backend wants (None when
-        there is nothing to mask: SDPA / flash take their fastest path)."""
+        """The padded batch as its own grid, the mask in the backend's format (None: nothing to mask, its fastest path)."""
         b, s = embeddings.shape[:2]
         impl, compiling, mask, kwargs = self.config._attn_implementation, torch.compiler.is_compiling(), None, {}
         if attention_mask is None and position_ids is not None and position_ids.size(0) == 1 and s > 1:
@@ -855,8 +856,7 @@ class BertImplForTokenClassification(_BertImplClassifierModel):
 
 
 class BertImplForQuestionAnswering(BertImplPreTrainedModel):
-    """Encoder + span head: start and end logits per token (extractive QA); answer positions outside
-    the input (truncated away) are ignored by the loss."""
+    """Encoder + span head: start and end logits per token (extractive QA); answers truncated away are ignored by the loss."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__(config)

@@ -39,8 +39,9 @@ What it does, per attention backend (`--backends`, transformers and ours both on
        mixed   inference on lengths uniform in [seq_len/8, seq_len] (its quantiles, see
                `mixed_lengths`), padded to the longest as a tokenizer pads (tokenizer.pad);
                tokens/s are reported padded and real;
-       mlm     one training step: forward, backward, AdamW, on grouped text (blocks of seq_len
-               tokens) with 15% masking (DataCollatorForLanguageModeling); ours uses
+       mlm     one training step: forward, backward and the optimizer Trainer builds (`--optim`,
+               default Trainer's: fused AdamW), on grouped text (blocks of seq_len tokens) with
+               15% masking (DataCollatorForLanguageModeling); ours uses
                `sparse_prediction=True` (the MLM decoder runs on the masked positions only);
        mlm_dense  the same step with ours in its default config (`sparse_prediction=False`, full
                (b, s, V) logits as transformers);
@@ -69,7 +70,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
+from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser, Trainer, TrainingArguments
 
 from hf_bert_impl import BertImplForMaskedLM, modeling_bert_impl
 from hf_bert_impl.cli import machine_record, write_result_json
@@ -134,6 +135,11 @@ class BenchmarkArguments:
                           "torch's elsewhere), torch (F.dropout and SDPA on every CPU, as before 0.3.5) or bits (the 32-bit "
                           "masks and eager attention on every CPU)"},
     )
+    optim: str = field(
+        default="adamw_torch_fused",
+        metadata={"help": "the MLM steps' optimizer, a TrainingArguments --optim name, built as Trainer builds it (default: "
+                          "Trainer's default, adamw_torch_fused; adamw_torch = the per-parameter AdamW runs before 0.3.6 timed)"},
+    )
     json: str | None = field(default=None, metadata={"help": "also write every number to this JSON file"})
 
 
@@ -185,9 +191,27 @@ def check_args(args: BenchmarkArguments) -> None:
             fail(f"--against onnxruntime runs on the CPU in fp32, got --dtype {args.dtype} --device {args.device}")
         if any(w not in ("fixed", "mixed") for w in args.workloads.split(",")):
             args.workloads = ",".join(w for w in args.workloads.split(",") if w in ("fixed", "mixed")) or "fixed,mixed"
+    try:
+        optimizer_args(args)
+    except ValueError as e:
+        fail(f"--optim {args.optim!r}: {str(e).splitlines()[0]}")
     for b in args.backends.split(","):
         if b not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
             fail(f"unknown attention backend {b!r} in --backends")
+
+
+def optimizer_args(args) -> TrainingArguments:
+    """The TrainingArguments of `--optim` (lr 1e-5, everything else Trainer's defaults); unknown names raise ValueError."""
+    import tempfile
+
+    return TrainingArguments(tempfile.gettempdir(), optim=args.optim, learning_rate=1e-5, report_to="none")
+
+
+def make_optimizer(training_args: TrainingArguments, model):
+    """The optimizer Trainer builds for `training_args` (`Trainer.get_optimizer_cls_and_kwargs`), its weight decay on
+    every parameter (0.0 by default, as Trainer's parameter groups then have)."""
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args, model)
+    return cls(model.parameters(), weight_decay=training_args.weight_decay, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,7 +394,7 @@ def sync(device):
 
 
 def step_fn(model, workload, batch, optimizer, context=nullcontext):
-    """One call of the workload: inference without grad, or forward + backward + AdamW; each forward
+    """One call of the workload: inference without grad, or forward + backward + optimizer step; each forward
     inside a fresh `context()` (bf16 autocast for --dtype autocast)."""
     if workload in ("fixed", "mixed"):
         def run():
@@ -549,8 +573,8 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks):
         n_masked = int(batch["labels"].ne(-100).sum()) if training else 0
         for m in (hf, ours):
             m.train(training)
-        opt_a = torch.optim.AdamW(hf.parameters(), lr=1e-5) if training else None
-        opt_b = torch.optim.AdamW(ours.parameters(), lr=1e-5) if training else None
+        opt_a = make_optimizer(optimizer_args(args), hf) if training else None
+        opt_b = make_optimizer(optimizer_args(args), ours) if training else None
         # --autocast_scope run: one autocast context around all the inference calls (training steps keep one each:
         # an optimizer step would leave autocast's cached casts of the weights stale)
         scope_run = args.autocast_scope == "run" and not training

@@ -155,6 +155,76 @@ def test_onednn_linear_in_bfloat16_matches_nn_linear(debug_config, monkeypatch):
     assert calls == [1]
 
 
+def _spy_fused_activations(monkeypatch) -> list:
+    """Records the post-op of each oneDNN call that applies an activation inside the GEMM (`_ONEDNN_ACTS`)."""
+    calls, op = [], mb._ONEDNN_LINEAR
+    monkeypatch.setattr(mb, "_ONEDNN_LINEAR", lambda *a: (calls.append(a[3]) if a[3] != "none" else None) or op(*a))
+    return calls
+
+
+@needs_onednn
+@pytest.mark.parametrize("act,post", [("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu"), ("gelu_new", "gelu"), ("relu", "relu")])
+def test_float32_inference_runs_the_activation_inside_the_gemm(debug_config, batch, monkeypatch, act, post):
+    """On oneDNN in float32 without grad, each MLP's and the MLM head's activation run as oneDNN's post-op: the same logits
+    as the activation after the GEMM (erf GELU bit for bit, the others <= 1e-6) and as transformers' BertForMaskedLM."""
+    from transformers import BertForMaskedLM
+
+    from hf_bert_impl.convert import to_hf_bert
+
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config(onednn_linear=True, hidden_act=act)).eval()
+    if type(model.bert.layers[0].mlp.act) not in mb._ONEDNN_ACTS:
+        pytest.skip(f"oneDNN's post-op for {act} did not reproduce it in the import probe on this CPU / build")
+    input_ids, attention_mask, token_type_ids = batch
+    calls = _spy_fused_activations(monkeypatch)
+    with torch.no_grad():
+        fused = model(input_ids, attention_mask, token_type_ids).logits
+        assert calls == [post] * (model.config.num_hidden_layers + 1)  # every MLP and the MLM head's dense layer
+        hf = to_hf_bert(model)
+        assert isinstance(hf, BertForMaskedLM) and hf.config.hidden_act == act
+        reference = hf.eval()(input_ids, attention_mask, token_type_ids).logits
+        monkeypatch.setattr(mb, "_ONEDNN_ACTS", {})  # the activation after the GEMM, as before
+        unfused = model(input_ids, attention_mask, token_type_ids).logits
+    assert len(calls) == model.config.num_hidden_layers + 1
+    diff = (fused - unfused).abs().max().item()
+    assert diff == 0.0 if act == "gelu" else diff <= 1e-6
+    assert _max_diff_real(fused, reference, attention_mask) <= ATOL
+
+
+@needs_onednn
+def test_the_activation_stays_after_the_gemm_where_it_must(debug_config, batch, monkeypatch):
+    """Not fused: with grad (the backward needs the pre-activation), in bfloat16 (rounded as transformers rounds), for an
+    activation oneDNN has no post-op for (silu), and on a hooked activation module, whose hook still sees its output."""
+    input_ids, attention_mask, _ = batch
+    calls = _spy_fused_activations(monkeypatch)
+    model = BertImplForMaskedLM(debug_config(onednn_linear=True)).eval()
+    model(input_ids, attention_mask)  # grad enabled
+    with torch.no_grad():
+        BertImplForMaskedLM(debug_config(onednn_linear=True, hidden_act="silu")).eval()(input_ids, attention_mask)
+        if torch.bfloat16 in mb._ONEDNN_DTYPES:
+            copy.deepcopy(model).bfloat16()(input_ids, attention_mask)
+        assert calls == []
+        expected = model(input_ids, attention_mask).logits
+        seen = []
+        model.bert.layers[0].mlp.act.register_forward_hook(lambda module, args, out: seen.append(out))
+        hooked = model(input_ids, attention_mask).logits
+    assert len(seen) == 1 and seen[0].shape[-1] == model.config.intermediate_size
+    assert calls == ["gelu"] * (2 * model.config.num_hidden_layers + 1)  # unhooked: L + 1 fused calls; hooked: L (layer 0 not)
+    assert (hooked - expected).abs().max().item() == 0.0  # the erf GELU fused or not: bit for bit
+
+
+@needs_onednn
+def test_the_activation_probe_rejects_a_post_op_that_computes_something_else():
+    """`_onednn_agrees` (run at import for `_ONEDNN_ACTS`) takes a post-op only where it reproduces the activation."""
+    from transformers.activations import GELUActivation, GELUTanh
+
+    assert mb._onednn_agrees(post=("gelu", [], "none"), act=GELUActivation())
+    assert mb._onednn_agrees(post=("gelu", [], "tanh"), act=GELUTanh())
+    assert not mb._onednn_agrees(post=("relu", [], ""), act=GELUActivation())
+    assert not mb._onednn_agrees(post=("gelu", [], "tanh"), act=GELUActivation())  # tanh approximation, not erf
+    assert not mb._onednn_agrees(post=("gelu", [], "no-such-algorithm"), act=GELUActivation())  # an error means no
+
+
 @pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
 def test_onednn_linear_under_bfloat16_autocast(debug_config, batch, monkeypatch):
     """Under torch.autocast("cpu", bfloat16) (Trainer's --bf16 on a CPU) the oneDNN branch runs every
@@ -1151,6 +1221,22 @@ def test_benchmark_dropout_masks_choose_ours_training_dropout(tmp_path, monkeypa
     assert ("eager" in impls) == (route == "eager")  # the output checks (eval) run sdpa either way
 
 
+def test_benchmark_mlm_step_uses_the_optimizer_trainer_builds(tmp_path, monkeypatch):
+    """The MLM steps step the optimizer Trainer builds for --optim: by default Trainer's own (fused AdamW), the same for both
+    models; --optim adamw_torch gives torch's per-parameter AdamW, which the runs before 0.3.6 timed."""
+    from transformers import TrainingArguments
+
+    bench = _benchmark_module()
+    made, make = [], bench.make_optimizer
+    monkeypatch.setattr(bench, "make_optimizer", lambda *a: made.append(make(*a)) or made[-1])
+    assert bench.optimizer_args(bench.BenchmarkArguments()).optim == TrainingArguments(str(tmp_path)).optim  # Trainer's default
+    _tiny_benchmark(tmp_path, "--workloads", "mlm", "--memory", "false")
+    assert len(made) == 2 and all(type(o) is torch.optim.AdamW and o.defaults["fused"] for o in made)
+    assert [o.defaults["weight_decay"] for o in made] == [0.0, 0.0]  # TrainingArguments' default, as Trainer's groups
+    result = _tiny_benchmark(tmp_path, "--workloads", "mlm", "--memory", "false", "--optim", "adamw_torch")
+    assert result["args"]["optim"] == "adamw_torch" and len(made) == 4 and not any(o.defaults["fused"] for o in made[2:])
+
+
 def test_benchmark_against_onnxruntime(tmp_path):
     """transformers' BERT and ours exported to ONNX, checked (<= 1e-4) and timed against ours."""
     pytest.importorskip("onnxruntime")
@@ -1183,6 +1269,7 @@ def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     (["--autocast_scope", "always"], "--autocast_scope must be forward or run, got 'always'"),
     (["--autocast_scope", "run"], "--autocast_scope run needs --dtype autocast, got --dtype fp32"),
     (["--dropout_masks", "cuda"], "--dropout_masks must be auto, torch or bits, got 'cuda'"),
+    (["--optim", "adamw_fast"], "--optim 'adamw_fast': adamw_fast is not a valid OptimizerNames"),
 ])
 def test_benchmark_rejects_bad_arguments(argv, message, capsys):
     bench = _benchmark_module()
