@@ -573,8 +573,8 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks):
         n_masked = int(batch["labels"].ne(-100).sum()) if training else 0
         for m in (hf, ours):
             m.train(training)
-        opt_a = make_optimizer(optimizer_args(args), hf) if training else None
-        opt_b = make_optimizer(optimizer_args(args), ours) if training else None
+        optim_args = optimizer_args(args) if training else None
+        opt_a, opt_b = (make_optimizer(optim_args, hf), make_optimizer(optim_args, ours)) if training else (None, None)
         # --autocast_scope run: one autocast context around all the inference calls (training steps keep one each:
         # an optimizer step would leave autocast's cached casts of the weights stale)
         scope_run = args.autocast_scope == "run" and not training
