@@ -185,18 +185,18 @@ class BertImplLinear(nn.Linear):
         self.config, self.skip_zero_rows = config, skip_zero_rows
 
     def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
-        w, b, autocast = self.weight, self.bias, torch.is_autocast_enabled("cpu")
+        w, b, autocast, grad = self.weight, self.bias, torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()
         dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype  # the dtype the GEMM runs in
         plain = (w.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and x.numel() > 0
                  and (x.dtype == w.dtype or autocast and {x.dtype, w.dtype} <= {torch.float32, torch.bfloat16})
                  and type(x) is torch.Tensor and type(w) in (torch.Tensor, nn.Parameter) and not (torch.compiler.is_compiling()
                  or torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export()))
         onednn = plain and linear_kernel(self.config.onednn_linear, dtype) == "onednn"
-        skip_zero_rows = plain and self.skip_zero_rows and torch.is_grad_enabled()
-        post = (_ONEDNN_ACTS.get(type(act)) if onednn and dtype == torch.float32 and act is not None and not torch.is_grad_enabled()
+        skip_zero_rows = plain and self.skip_zero_rows and grad
+        post = (_ONEDNN_ACTS.get(type(act)) if onednn and dtype == torch.float32 and act is not None and not grad
                 and not (act._forward_hooks or act._forward_pre_hooks) else None)  # oneDNN's post-op computing act
         if onednn or skip_zero_rows:
-            if onednn and w.dtype != dtype and not torch.is_grad_enabled():  # autocast inference: cast anew each call into a
+            if onednn and w.dtype != dtype and not grad:  # autocast inference: cast anew each call into a
                 buffers, key = vars(_CAST_BUFFERS), (tuple(w.shape), dtype)  # kept buffer; a fresh copy per call can cost more
                 w = (buffers[key] if key in buffers else buffers.setdefault(key, w.new_empty(w.shape, dtype=dtype))).copy_(w)
             x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
