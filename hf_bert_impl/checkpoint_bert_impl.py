@@ -1,26 +1,48 @@
 """Checkpoint files of bert_impl models that lose nothing: an all-or-nothing `save_pretrained` and a
-`from_pretrained` that refuses what transformers would load badly or unsafely.
+`from_pretrained` that refuses what transformers would load unsafely.
 
-`CheckpointSafetyMixin` sits before `PreTrainedModel` in `BertImplPreTrainedModel`'s bases:
+`CheckpointSafetyMixin` sits before `PreTrainedModel` in `BertImplPreTrainedModel`'s bases.
 
-- `save_pretrained` writes into a hidden sibling `.NAME.saving-*` and renames it in, or atomically
-  exchanges it with an existing directory (Linux renameat2 RENAME_EXCHANGE) after the old directory's
-  other files (tokenizer, checkpoint-*) were hard-linked in. Without the exchange the old directory is
-  renamed aside first (a crash in between leaves it in `.NAME.replaced-*`, restored by the next save).
-  So after a crash at any point the directory loads as the old or the new checkpoint, never a mix.
-- `from_pretrained` refuses a local directory of pickled weights only, a truncated or corrupt
-  safetensors file, and a checkpoint without encoder weights (transformers would start them random).
+Saving. `save_pretrained` writes the new checkpoint into a hidden sibling `.NAME.saving-*`, hard-links
+the old directory's other files into it (tokenizer, checkpoint-*; not its weights: no stale shard
+survives), then
+  1. renames NAME to `.NAME.replaced-*` (the complete old checkpoint),
+  2. renames `.NAME.saving-*` to NAME (the complete new one),
+  3. removes `.NAME.replaced-*`.
+Why two renames: a directory rename is atomic, but the standard library cannot swap two non-empty
+directories (Linux's renameat2(RENAME_EXCHANGE) takes a foreign-function call, which remote-code
+reviewers rightly flag), and replacing the files inside NAME one by one leaves mixes, e.g. a new
+config.json beside old weights, which loads silently. With two renames the one window is
+between 1 and 2, where NAME is missing and both complete checkpoints sit beside it. A crash at any
+point (SIGKILL included) leaves:
+  - before 1: NAME as it was; the next save removes `.NAME.saving-*`;
+  - between 1 and 2: no NAME. `BertImpl*.from_pretrained(NAME)` loads the old checkpoint from
+    `.NAME.replaced-*` and warns that it does (loading changes no file); the next save renames it back
+    first. Loaders that read NAME/config.json before reaching this class (AutoModel, AutoConfig,
+    AutoTokenizer) get transformers' not-found error until then. Several such siblings (left by saves
+    from several hosts) are a ValueError that lists them: which is newer is not known;
+  - after 2: NAME is the new checkpoint; the next save removes `.NAME.replaced-*`.
+An exception between 1 and 2 renames the old checkpoint back at once. Leftovers carry host and pid: a
+save touches only those of dead saves on its host (on Windows, which has no standard-library test of
+a pid, it leaves them). Files are not fsynced: this covers crashed processes, not power cuts.
 
-Travels to the Hub with the model code (modeling_bert_impl.py imports it); standard library only.
+Loading. `from_pretrained` refuses (ValueError) a local directory of pickled weights only and a
+truncated or corrupt safetensors file. Missing weights follow transformers' contract: the model loads,
+they start random and are listed in `output_loading_info=True`'s `missing_keys`; missing encoder
+weights, unlike a new head or pooler, are never normal and get a warning of their own.
+
+Travels to the Hub with the model code (modeling_bert_impl.py imports it): portable standard library
+only, no foreign-function call, child process, system-file read or network.
 """
 
-import ctypes
+import logging
 import os
+import platform
 import re
 import shutil
-import socket
-import sys
 import uuid
+
+logger = logging.getLogger(__name__)  # the logger transformers.utils.logging.get_logger(__name__) returns
 
 # Weight files transformers writes or reads (shards and indexes included): pickled ones, and any.
 PICKLED_WEIGHTS = re.compile(r"pytorch_model(-\d{5}-of-\d{5})?\.bin(\.index\.json)?")
@@ -30,28 +52,53 @@ ENCODER_KEY = re.compile(r"(bert\.)?(embeddings|layers)\.")  # a weight no head 
 
 def _owner_tag() -> str:
     """host and pid of this save, so a later save can tell a killed save's leftovers from a running one's."""
-    return f"{socket.gethostname().replace('-', '_').replace('.', '_')}-{os.getpid()}"
+    return f"{(platform.node() or 'host').replace('-', '_').replace('.', '_')}-{os.getpid()}"
+
+
+def _leftover(name: str, entry: str):
+    """Match `.NAME.saving-HOST-PID-ID` / `.NAME.replaced-HOST-PID-ID`: groups kind, host, pid."""
+    return re.fullmatch(rf"\.{re.escape(name)}\.(saving|replaced)-(.+)-(\d+)-[0-9a-f]{{12}}", entry)
+
+
+def _running(pid: int) -> bool:
+    """Whether a save's process may still run. On Windows os.kill(pid, 0) sends CTRL_C_EVENT: say yes."""
+    if os.name == "nt":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    return True
 
 
 def _remove_stale_staging(parent: str, name: str) -> None:
     """Remove `.NAME.saving-*` / `.NAME.replaced-*` siblings left by a save on this host whose process is gone."""
     host = _owner_tag().rsplit("-", 1)[0]
     for entry in os.listdir(parent):
-        m = re.fullmatch(rf"\.{re.escape(name)}\.(saving|replaced)-(.+)-(\d+)-[0-9a-f]{{12}}", entry)
-        if not m or m.group(2) != host:
-            continue
-        try:
-            os.kill(int(m.group(3)), 0)
-            continue  # that save is still running
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        m = _leftover(name, entry)
+        if not m or m.group(2) != host or _running(int(m.group(3))):
             continue
         path, target = os.path.join(parent, entry), os.path.join(parent, name)
         if m.group(1) == "replaced" and not os.path.exists(target):
-            os.rename(path, target)  # a crash between the two renames: bring the old one back
+            os.rename(path, target)  # killed between the two renames: bring the old one back
         else:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _previous_checkpoint(folder) -> str | None:
+    """For a missing local directory NAME, its `.NAME.replaced-*` sibling (a save killed between its renames)."""
+    parent, name = os.path.split(os.path.abspath(os.fspath(folder)))
+    if os.path.exists(folder) or not name or not os.path.isdir(parent):
+        return None
+    found = sorted(e for e in os.listdir(parent) if (m := _leftover(name, e)) and m.group(1) == "replaced")
+    if len(found) > 1:
+        raise ValueError(
+            f"{folder} does not exist, and {len(found)} interrupted saves left previous checkpoints beside it: "
+            f"{found}. Rename the one you want back to {name} (or delete all but one)"
+        )
+    return os.path.join(parent, found[0]) if found else None
 
 
 def _link_tree(src: str, dst: str) -> None:
@@ -70,24 +117,8 @@ def _link_tree(src: str, dst: str) -> None:
         link(src, dst)
 
 
-def _exchange_directories(a: str, b: str) -> bool:
-    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    if renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
-        return True
-    err = ctypes.get_errno()
-    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this file system cannot exchange
-        return False
-    raise OSError(err, os.strerror(err), b)
-
-
 def _replace_directory(target: str, write) -> None:
-    """Run write(staging) on a fresh hidden sibling of `target`, then make it `target` as described above."""
+    """Run write(staging) on a fresh hidden sibling of `target`, then rename it in (steps 1-3 of the module docstring)."""
     if os.path.isfile(target):
         raise ValueError(f"save_pretrained needs a directory, but {target} is a file")
     parent, name = os.path.split(target)
@@ -103,11 +134,9 @@ def _replace_directory(target: str, write) -> None:
             for entry in os.listdir(target):  # the old model's own files stay behind (no mixed shards)
                 if entry not in new_names and not WEIGHTS_FILE.fullmatch(entry):
                     _link_tree(os.path.join(target, entry), os.path.join(staging, entry))
-            if _exchange_directories(staging, target):
-                return  # staging holds the old checkpoint now: removed below
-            os.rename(target, aside)
+            os.rename(target, aside)  # 1. until 2, from_pretrained(target) loads the old checkpoint from aside
         try:
-            os.rename(staging, target)
+            os.rename(staging, target)  # 2.
         except BaseException:
             if os.path.exists(aside):
                 os.rename(aside, target)  # the old checkpoint goes back
@@ -115,7 +144,7 @@ def _replace_directory(target: str, write) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if os.path.exists(aside) and os.path.exists(target):
-            shutil.rmtree(aside, ignore_errors=True)
+            shutil.rmtree(aside, ignore_errors=True)  # 3.
 
 
 class CheckpointSafetyMixin:
@@ -125,6 +154,15 @@ class CheckpointSafetyMixin:
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         source = pretrained_model_name_or_path
         folder = os.path.join(os.fspath(source), kwargs["subfolder"]) if kwargs.get("subfolder") else source
+        previous = _previous_checkpoint(folder) if folder is not None else None
+        if previous:
+            logger.warning(
+                "%s does not exist: a save_pretrained into it was killed between its two renames (or is finishing "
+                "now). Loading the checkpoint it held before, from %s. The next save_pretrained into %s puts it "
+                "back first; or rename it back yourself: mv %s %s", folder, previous, folder, previous, folder,
+            )
+            source = folder = previous
+            kwargs.pop("subfolder", None)
         if folder is not None and os.path.isdir(folder) and kwargs.get("use_safetensors") is not False:
             names = os.listdir(folder)
             pickled = sorted(n for n in names if PICKLED_WEIGHTS.fullmatch(n))
@@ -145,14 +183,15 @@ class CheckpointSafetyMixin:
                 f"the weights in {source} cannot be read ({e}): model.safetensors is truncated or corrupt "
                 "(an interrupted download, copy or save?); download or save it again"
             ) from e
-        # A new head or pooler is normal (an encoder fine-tuned for a task); a missing encoder weight is not.
+        # transformers' contract: load, start missing weights random, list them in missing_keys. A new head or
+        # pooler is normal (an encoder fine-tuned for a task); a missing encoder weight is not: say so loudly.
         missing = sorted(k for k in info["missing_keys"] if ENCODER_KEY.match(k))
         if missing:
-            raise ValueError(
-                f"the checkpoint in {source} lacks {len(missing)} encoder weight(s) this config needs, e.g. "
-                f"{missing[:4]}; they would start random. Is it a bert_impl checkpoint of this architecture? "
-                "(transformers BERT: convert it with hf_bert_impl.convert.from_hf_bert; to load a partial "
-                "state dict on purpose, use model.load_state_dict(..., strict=False))"
+            logger.warning(
+                "the checkpoint in %s lacks %d encoder weight(s) this config needs, e.g. %s; they were initialised "
+                "randomly (see missing_keys of output_loading_info=True). Is it a bert_impl checkpoint of this "
+                "architecture? (transformers BERT: convert it with hf_bert_impl.convert.from_hf_bert)",
+                source, len(missing), missing[:4],
             )
         return (model, info) if want_info else model
 

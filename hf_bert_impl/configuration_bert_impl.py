@@ -1,13 +1,14 @@
 """BertImplConfig: the configuration of hf-bert-impl's BERT encoder.
 
 Field names and defaults follow `transformers.BertConfig` (bert-base sizes), plus
-`position_embedding_type`: "sinusoidal" (default, the seed's formula) or "learned" (a trained
+`position_embedding_type`: "sinusoidal" (default, Vaswani et al. 2017's formula) or "learned" (a trained
 table, as in Google's BERT). Every field is validated at construction and again on every later
 assignment (`config.hidden_size = ...`, `from_pretrained(dir, hidden_size=...)` overrides); a bad
 value raises a `ValueError` that names the field, the value and what is accepted, and leaves the
 config as it was.
 
-This file travels to the Hub beside `modeling_bert_impl.py`: it imports only transformers. Both
+`check_inputs` checks a model input against the config (ids in range, shapes, positions) with errors that name
+the value. This file travels to the Hub beside `modeling_bert_impl.py`: it imports only torch and transformers. Both
 files run on transformers 4.57.x and 5.x; an older transformers gets one ImportError naming the
 version needed (`require_transformers`), raised here because transformers imports this file first.
 """
@@ -15,6 +16,7 @@ version needed (`require_transformers`), raised here because transformers import
 import re
 from typing import NamedTuple
 
+import torch
 import transformers
 from transformers import PretrainedConfig
 
@@ -101,8 +103,28 @@ REQUIRED_FIELDS = (
 # Every field `_validate_bert_impl` checks: assigning one of them after construction re-validates.
 VALIDATED_FIELDS = frozenset(REQUIRED_FIELDS + (
     "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "initializer_range",
-    "pad_token_id", "unpad_inputs", "sparse_prediction", "onednn_linear",
+    "pad_token_id", "scale_word_embeddings", "sparse_prediction", "kernels",
 ))
+# Fields added after configs were first saved, with the value that reproduces a checkpoint saved without them.
+SAVED_BEFORE = {"scale_word_embeddings": False}  # 0.3.x added the encoding to unscaled word embeddings
+# Speed switches of 0.3.x that `kernels` replaced: dropped from a saved config.json (they never changed the numbers).
+RETIRED_FIELDS = ("unpad_inputs", "onednn_linear")
+# config.kernels: "auto", "reference", or names of kernels_bert_impl.py's kernels to force (a list, or comma-separated)
+KERNEL_NAMES = ("onednn_linear", "fused_activation", "skip_zero_rows", "bits_dropout", "unpadded", "per_sequence_attention",
+                "grid_attention")
+
+
+def kernel_names(setting) -> frozenset | str:
+    """config.kernels -> "auto", "reference", or the frozenset of forced kernel names; ValueError naming a bad value."""
+    if setting in ("auto", "reference"):
+        return setting
+    names = [s.strip() for s in setting.split(",")] if isinstance(setting, str) else \
+        list(setting) if isinstance(setting, (list, tuple, set, frozenset)) else []
+    unknown = [n for n in names if not isinstance(n, str) or n not in KERNEL_NAMES]
+    if not names or unknown:
+        raise ValueError(f"BertImplConfig.kernels must be 'auto', 'reference' or kernel names from {KERNEL_NAMES} "
+                         f"(comma-separated), got {setting!r}")
+    return frozenset(names)
 # Instance flag set once __init__ has validated; kept out of config.json by `to_dict`.
 _READY = "_bert_impl_validated"
 
@@ -129,18 +151,22 @@ class BertImplConfig(PretrainedConfig):
         classifier_dropout: dropout before classification heads (None: `hidden_dropout_prob`).
         position_embedding_type: "sinusoidal" (PE(pos, 2i) = sin(pos / 10000^{2i/d}),
             PE(pos, 2i+1) = cos(...), not stored in checkpoints) or "learned" (a trained table).
+        scale_word_embeddings: multiply the word embeddings by √d_model (√hidden_size) before the positions
+            are added, as Vaswani et al. (2017, section 3.4) do for their fixed encoding. None (default):
+            True with sinusoidal positions, False with learned ones (Devlin et al. 2019 add a table of the
+            same 0.02 scale, unscaled). Without it the unit-amplitude encoding drowns the word signal of
+            normal(0, 0.02)-initialised embeddings and pretraining stalls (docs/formulas.md). A config.json
+            saved without this field (0.3.x) loads as False: it computes as it did.
 
-    Speed switches (they change how the same numbers are computed, never the formula):
-        unpad_inputs: on padded batches run the linear layers, LayerNorms and feed-forward only on
-            real tokens (padding positions of the outputs are zeros). Default True.
+    Speed switch (it changes how the same numbers are computed, never the formula):
         sparse_prediction: when MLM labels are given, run the decoder only on labelled positions;
             `logits` is then (n_labelled, V). Default False (transformers' full (b, s, V) logits);
             `scripts/pretrain_mlm.py` turns it on while training.
-        onednn_linear: which GEMM library float32 / bfloat16 CPU linear layers use: "auto" (default)
-            decides by CPU vendor and dtype (oneDNN on AMD, where MKL's fp32 GEMM is slow, and for
-            bfloat16 on Intel; torch's BLAS for float32 on Intel and on other CPUs), True forces
-            oneDNN (checked against F.linear once at import; torch's BLAS where unavailable),
-            False forces torch's BLAS (as nn.Linear).
+        kernels: the speed paths of kernels_bert_impl.py. "auto" (default): each is chosen by timing it
+            against the plain model's code on the running machine, once per shape class (and kept only if
+            it agrees within its tolerance); "reference": the plain model alone (padded batches, torch's
+            F.linear and F.dropout); kernel names, comma-separated (e.g. "onednn_linear,bits_dropout"):
+            force those, the reference elsewhere.
     """
 
     model_type = "bert_impl"
@@ -162,9 +188,9 @@ class BertImplConfig(PretrainedConfig):
         pad_token_id=0,
         classifier_dropout=None,
         position_embedding_type="sinusoidal",
-        unpad_inputs=True,
+        scale_word_embeddings=None,
         sparse_prediction=False,
-        onednn_linear="auto",
+        kernels="auto",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -181,9 +207,11 @@ class BertImplConfig(PretrainedConfig):
         self.layer_norm_eps = layer_norm_eps
         self.classifier_dropout = classifier_dropout
         self.position_embedding_type = position_embedding_type
-        self.unpad_inputs = unpad_inputs
+        self.scale_word_embeddings = scale_word_embeddings
         self.sparse_prediction = sparse_prediction
-        self.onednn_linear = onednn_linear
+        self.kernels = kernels
+        for name in RETIRED_FIELDS:
+            kwargs.pop(name, None)
         kwargs.setdefault("tie_word_embeddings", True)
         kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(pad_token_id=pad_token_id, **kwargs)
@@ -206,6 +234,14 @@ class BertImplConfig(PretrainedConfig):
             else:
                 super().__setattr__(key, before)
             raise
+
+    @property
+    def word_embedding_scale(self) -> float:
+        """The factor the word embeddings are multiplied by: √hidden_size or 1.0 (see `scale_word_embeddings`)."""
+        scale = self.scale_word_embeddings
+        if scale is None:
+            scale = self.position_embedding_type == "sinusoidal"
+        return self.hidden_size**0.5 if scale else 1.0
 
     def to_dict(self):
         out = super().to_dict()
@@ -249,7 +285,59 @@ class BertImplConfig(PretrainedConfig):
                     f"bert_impl config is missing required field(s) {missing}; a saved config.json must state "
                     "them (save it again with save_pretrained, or add them by hand)"
                 )
+            config_dict = {**SAVED_BEFORE, **config_dict}
         return super().from_dict(config_dict, **kwargs)
+
+    def check_inputs(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None) -> tuple[int, int]:
+        """The (b, s) of a model input (tensors). Inputs that torch would reject with an opaque IndexError raise a
+        ValueError naming the value. Skipped while compiling (data-dependent checks break the graph); on an accelerator
+        the value checks are asynchronous device asserts (`_check_range`), not a host sync per forward."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must have shape (batch, sequence), got {shape}")
+        if torch.compiler.is_compiling():
+            return shape
+        config = self
+        if 0 in shape:
+            raise ValueError(f"the input has an empty dimension: shape {shape}; pass at least one sequence of one token")
+        for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+            if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+                raise ValueError(f"{name} must hold integer ids, got dtype {t.dtype}")
+        if inputs_embeds is not None and inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(f"inputs_embeds has width {inputs_embeds.shape[-1]} but config.hidden_size = {config.hidden_size}")
+        for name, t, hint in (("token_type_ids", token_type_ids, "token type ids"),
+                              ("attention_mask", attention_mask, "mask of 1 for tokens and 0 for padding")):
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)} but the input has shape {shape}; pass a (batch, sequence) {hint}")
+        for name, ids, field_name in (("input_ids", input_ids, "vocab_size"), ("token_type_ids", token_type_ids, "type_vocab_size")):
+            if ids is not None:
+                limit = getattr(config, field_name)
+                rule = f"outside [0, {field_name}={limit}); check that the tokenizer matches this model (config.{field_name} = {limit})"
+                _check_range(ids, 0, limit, f"{name} contains {{}}, {rule}", f"{name} contains an id {rule}")
+        if attention_mask is not None:
+            binary, message = attention_mask.eq(0) | attention_mask.eq(1), "attention_mask must hold 1 for tokens and 0 for padding, got"
+            if not _values_on_host(attention_mask):
+                _device_assert(binary.all(), f"{message} other values")
+            elif not binary.all():
+                values = attention_mask.unique().tolist()
+                raise ValueError(f"{message} values {values[:8]}" + " ..." * (len(values) > 8))
+        if position_ids is not None:
+            pshape = tuple(position_ids.shape)
+            if len(pshape) != 2 or pshape[1] != shape[1] or pshape[0] not in (1, shape[0]):
+                raise ValueError(f"position_ids has shape {pshape}; pass (batch, sequence) or (1, sequence) for input shape {shape}")
+            message = "position_ids contains {}; positions start at 0"
+            _check_range(position_ids, 0, None, message, message.format("a negative value"))
+        if config.position_embedding_type == "learned":
+            limit = config.max_position_embeddings
+            message = (f"sequence needs position {{}} but learned positions stop at max_position_embeddings - 1 = {limit - 1}; "
+                       "truncate the input (tokenizer(..., truncation=True)) or use position_embedding_type='sinusoidal'")
+            if position_ids is None and shape[1] > limit:
+                raise ValueError(message.format(shape[1] - 1))
+            if position_ids is not None:
+                _check_range(position_ids, None, limit, message, message.format(f">= {limit}"))
+        return shape
 
     def _validate_bert_impl(self):
         def positive_int(field):
@@ -277,11 +365,11 @@ class BertImplConfig(PretrainedConfig):
                 f"BertImplConfig.position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
                 f"got {self.position_embedding_type!r}{hint}"
             )
-        for field in ("unpad_inputs", "sparse_prediction"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"BertImplConfig.{field} must be True or False, got {getattr(self, field)!r}")
-        if not (isinstance(self.onednn_linear, bool) or self.onednn_linear == "auto"):
-            raise ValueError(f"BertImplConfig.onednn_linear must be 'auto', True or False, got {self.onednn_linear!r}")
+        if not (self.scale_word_embeddings is None or isinstance(self.scale_word_embeddings, bool)):
+            raise ValueError(f"BertImplConfig.scale_word_embeddings must be None, True or False, got {self.scale_word_embeddings!r}")
+        if not isinstance(self.sparse_prediction, bool):
+            raise ValueError(f"BertImplConfig.sparse_prediction must be True or False, got {self.sparse_prediction!r}")
+        kernel_names(self.kernels)
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"BertImplConfig.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         for field in ("initializer_range", "layer_norm_eps"):
@@ -293,6 +381,28 @@ class BertImplConfig(PretrainedConfig):
             raise ValueError(
                 f"BertImplConfig.pad_token_id must be an id in [0, vocab_size={self.vocab_size}) or None, got {pad!r}"
             )
+
+
+# Checks of model inputs against a config (`BertImplConfig.check_inputs`).
+
+
+def _values_on_host(t: torch.Tensor) -> bool:  # may a check read t's values? on the CPU; an accelerator would sync
+    return t.device.type == "cpu"
+
+
+def _device_assert(condition: torch.Tensor, message: str) -> None:  # no host sync: a failure raises at the next sync
+    torch._assert_async(condition, message)
+
+
+def _check_range(t: torch.Tensor, low: int | None, high: int | None, message: str, device_message: str) -> None:
+    """ValueError(message.format(the bad value)) unless low <= t < high (None: no bound); on an accelerator an async assert."""
+    has_low, has_high = low is not None, high is not None  # which bounds apply
+    if not _values_on_host(t):
+        _device_assert(((t >= low if has_low else True) & (t < high if has_high else True)).all(), device_message)
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if has_low and lo < low or has_high and hi >= high:
+        raise ValueError(message.format(lo if has_low and lo < low else hi))
 
 
 __all__ = ["BertImplConfig", "SIZE_PRESETS", "AUTO_MAP", "HEAD_TABLE", "REQUIRED_FIELDS"]

@@ -486,7 +486,9 @@ def to_hf_bert(model: BertImplPreTrainedModel) -> transformers.BertPreTrainedMod
     """An hf-bert-impl model -> the matching transformers Bert* model (exact inverse of `from_hf_bert`).
 
     Sinusoidal positions are written into transformers' learned table: identical outputs for inputs
-    up to `max_position_embeddings` tokens. Returns the model in eval mode, in our model's dtype.
+    up to `max_position_embeddings` tokens. Word embeddings scaled by √d_model (`scale_word_embeddings`) are
+    written scaled; a masked-LM decoder then keeps the unscaled table, untied (`tie_word_embeddings=False`).
+    Returns the model in eval mode, in our model's dtype.
     """
     if not isinstance(model, BertImplPreTrainedModel) or type(model) not in OUR_TO_HF_ARCH:
         raise ValueError(f"to_hf_bert takes one of {[c.__name__ for c in OUR_TO_HF_ARCH]}, got {type(model).__name__}")
@@ -495,9 +497,15 @@ def to_hf_bert(model: BertImplPreTrainedModel) -> transformers.BertPreTrainedMod
     kwargs = {}
     if hf_cls is transformers.BertModel and model.pooler is None:
         kwargs["add_pooling_layer"] = False
-    hf_model = hf_cls(hf_config_from_bert_impl(config), **kwargs)
-
+    hf_config = hf_config_from_bert_impl(config)
     ours = _full_keys(model)
+    scale = config.word_embedding_scale
+    if scale != 1.0:  # transformers adds its word table unscaled: the √d_model is folded into the input table, and an
+        word = ours["bert.embeddings.word_embeddings.weight"]  # MLM decoder keeps the unscaled one (the tie is undone)
+        ours["bert.embeddings.word_embeddings.weight"] = word * scale
+        if "lm_head.decoder.weight" in ours:
+            ours["lm_head.decoder.weight"], hf_config.tie_word_embeddings = word, False
+    hf_model = hf_cls(hf_config, **kwargs)
     if config.position_embedding_type == "sinusoidal":
         encoding = model.base_model.embeddings.position_encoding  # (P, H): the formula, evaluated once
         ours["bert.embeddings.position_embeddings.weight"] = encoding.to(ours["bert.embeddings.word_embeddings.weight"].dtype)

@@ -38,7 +38,7 @@ TEMPLATE_PATH = next(
                  Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md") if p.is_file()),
     Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md",
 )
-CODE_FILES = ("checkpoint_bert_impl.py", "configuration_bert_impl.py", "modeling_bert_impl.py")  # the Hub files
+CODE_FILES = ("checkpoint_bert_impl.py", "configuration_bert_impl.py", "kernels_bert_impl.py", "modeling_bert_impl.py")  # the Hub files
 # Tokenizer files copied verbatim when present: a fast tokenizer (tokenizer.json) or a WordPiece
 # vocabulary (vocab.txt) is required, the rest describes special tokens and the tokenizer class.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json",
@@ -239,7 +239,16 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
         **{k: config.get(k, NOT_RECORDED) for k in (
             "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
             "max_position_embeddings", "position_embedding_type")},
+        word_embedding_scale=_word_embedding_scale(config),
     )
+
+
+def _word_embedding_scale(config: dict):
+    """√hidden_size when a config.json's word embeddings are scaled (`scale_word_embeddings`; absent: 0.3.x, unscaled)."""
+    scale = config.get("scale_word_embeddings", False)
+    if scale is None:
+        scale = config.get("position_embedding_type") == "sinusoidal"
+    return round(config["hidden_size"] ** 0.5, 4) if scale and "hidden_size" in config else None
 
 
 def _transformers_pipelines() -> list[str]:

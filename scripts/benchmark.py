@@ -15,13 +15,11 @@ Copy-paste commands:
     python scripts/benchmark.py --size base --threads 2 --against onnxruntime \
         --json benchmarks/cpu-amd-zen4_base_fp32_onnxruntime.json
 
-    # force the linear-layer kernel (default auto: oneDNN on AMD and for bf16 on Intel; else torch's BLAS)
-    python scripts/benchmark.py --size base --onednn_linear false
-    python scripts/benchmark.py --size base --onednn_linear true
-
-    # ours' dropout masks in training (default auto: 32 random bits per element where torch's CPU bernoulli_ is
-    # serial, i.e. all but Intel with MKL; torch = F.dropout and SDPA, as before 0.3.5; bits = the 32-bit masks anywhere)
-    python scripts/benchmark.py --size base --workloads mlm,mlm_dense --dropout_masks torch
+    # ours' kernels (config.kernels; default auto: each kernel point measured once per shape class on this machine,
+    # the choices and the one-time cost recorded in the JSON and the log): the plain model alone, or kernels forced
+    python scripts/benchmark.py --size base --kernels reference
+    python scripts/benchmark.py --size base --kernels onednn_linear,skip_zero_rows
+    python scripts/benchmark.py --size base --workloads mlm,mlm_dense --kernels bits_dropout,unpadded
 
     # on a GPU (also against transformers' flash-attention when flash-attn is installed)
     python scripts/benchmark.py --size base --dtype bf16 --device cuda --backends sdpa,flash_attention_2 \
@@ -29,12 +27,16 @@ Copy-paste commands:
 
 What it does, per attention backend (`--backends`, transformers and ours both on that backend):
   1. builds transformers' `BertForMaskedLM` (random BERT init, seeded) and converts it with
-     `hf_bert_impl.convert.from_hf_bert`, so both hold the same weights;
+     `hf_bert_impl.convert.from_hf_bert`, so both hold the same weights; ours runs `--kernels` (its
+     config.kernels, see hf_bert_impl/kernels_bert_impl.py);
   2. checks the outputs agree (fp32: max |diff| <= 1e-5 on real tokens, MLM loss and gradients;
      bf16 weights or bf16 autocast over float32 weights (`--dtype autocast`, what Trainer's --bf16
      runs): ours within 3x transformers' own error against float32) and stops if not;
   3. times the workloads interleaved (transformers, ours, transformers, ours, ...; warm-up pairs
-     excluded) and reports the median of the per-pair ratios, so machine drift cancels:
+     excluded) and reports the median of the per-pair ratios, so machine drift cancels. With
+     `--kernels auto` ours is called once untimed first (its first call per shape class measures the
+     kernels); each workload's row records the kernels ours used (`ours_kernels`: the choices made by
+     then, or the forced set) and the seconds spent measuring them:
        fixed   inference (encoder, no grad), every sequence `--seq_len` tokens;
        mixed   inference on lengths uniform in [seq_len/8, seq_len] (its quantiles, see
                `mixed_lengths`), padded to the longest as a tokenizer pads (tokenizer.pad);
@@ -72,11 +74,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser, Trainer, TrainingArguments
 
-from hf_bert_impl import BertImplForMaskedLM, modeling_bert_impl
+from hf_bert_impl import BertImplForMaskedLM
+from hf_bert_impl import kernels_bert_impl
 from hf_bert_impl.cli import machine_record, write_result_json
-from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
+from hf_bert_impl.configuration_bert_impl import KERNEL_NAMES, SIZE_PRESETS, kernel_names
 from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
-from hf_bert_impl.modeling_bert_impl import _ONEDNN_LINEAR as ONEDNN_LINEAR
 
 # --dtype: the weights' dtype; "autocast" keeps float32 weights and runs every workload's forward under
 # torch.autocast(bfloat16) (the backward follows it), as Trainer's --bf16 trains.
@@ -125,15 +127,11 @@ class BenchmarkArguments:
     seed: int = field(default=0)
     threads: int = field(default=0, metadata={"help": "torch.set_num_threads; 0 leaves torch's default"})
     memory: bool = field(default=True, metadata={"help": "measure peak memory (one extra profiled run per model)"})
-    onednn_linear: str = field(
+    kernels: str = field(
         default="auto",
-        metadata={"help": "ours: float32 CPU linear layers: auto (by CPU vendor), true (oneDNN) or false (torch's BLAS)"},
-    )
-    dropout_masks: str = field(
-        default="auto",
-        metadata={"help": "ours' dropout in training: auto (32 random bits per element where torch's CPU bernoulli_ is serial, "
-                          "torch's elsewhere), torch (F.dropout and SDPA on every CPU, as before 0.3.5) or bits (the 32-bit "
-                          "masks and eager attention on every CPU)"},
+        metadata={"help": "ours' config.kernels: auto (each kernel measured against the plain model once per shape class "
+                          "on this machine), reference (the plain model alone) or kernel names to force, comma-separated: "
+                          + ", ".join(KERNEL_NAMES)},
     )
     optim: str = field(
         default="adamw_torch_fused",
@@ -176,10 +174,11 @@ def check_args(args: BenchmarkArguments) -> None:
         fail(f"--batch_size must be >= 1 and --pairs / --warmup >= 0, got {args.batch_size}, {args.pairs}, {args.warmup}")
     if not 0.0 < args.mlm_probability < 1.0:
         fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
-    if args.onednn_linear not in ("auto", "true", "false"):
-        fail(f"--onednn_linear must be auto, true or false, got {args.onednn_linear!r}")
-    if args.dropout_masks not in ("auto", "torch", "bits"):
-        fail(f"--dropout_masks must be auto, torch or bits, got {args.dropout_masks!r}")
+    try:
+        kernel_names(args.kernels)
+    except ValueError:
+        fail(f"--kernels must be auto, reference or kernel names from {', '.join(KERNEL_NAMES)} (comma-separated), "
+             f"got {args.kernels!r}")
     if args.autocast_scope not in ("forward", "run"):
         fail(f"--autocast_scope must be forward or run, got {args.autocast_scope!r}")
     if args.autocast_scope == "run" and args.dtype != "autocast":
@@ -214,6 +213,37 @@ def make_optimizer(training_args: TrainingArguments, model):
     return cls(model.parameters(), weight_decay=training_args.weight_decay, **kwargs)
 
 
+def kernel_record(args, start_s: float, workload_start_s: float | None = None) -> dict:
+    """The kernels ours runs under `--kernels`: "auto" -> the choices made in this process by now
+    (kernels_bert_impl.chosen_kernels(): {"point|device|dtype|shape class": kernel or "reference"}), "reference" ->
+    "reference", forced names -> their sorted list; and the seconds spent measuring since `start_s` (the run's start;
+    measuring is a one-time cost per shape class, zero when every choice came from the record file) and since
+    `workload_start_s`."""
+    setting = kernels_bert_impl.parse_setting(args.kernels)
+    now = kernels_bert_impl.measurement_seconds()
+    record = {"setting": args.kernels,
+              "chosen": kernels_bert_impl.chosen_kernels() if setting == "auto" else setting if setting == "reference" else sorted(setting),
+              "measurement_s": now - start_s}
+    if workload_start_s is not None:
+        record["measurement_s_workload"] = now - workload_start_s
+    return record
+
+
+def describe_kernels(record: dict) -> str:
+    """One line of the log: the forced set, or per point how many shape classes chose each kernel, and the cost."""
+    if record["setting"] == "reference":
+        return "reference (the plain model)"
+    if record["setting"] != "auto":
+        return f"{record['setting']} (forced)"
+    per_point: dict[str, dict[str, int]] = {}
+    for key, name in record["chosen"].items():
+        counts = per_point.setdefault(key.split("|")[0], {})
+        counts[name] = counts.get(name, 0) + 1
+    chosen = "; ".join(f"{point} " + ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
+                       for point, counts in sorted(per_point.items()))
+    return f"auto: {chosen or 'nothing measured yet'} (measuring took {record['measurement_s']:.2f} s so far)"
+
+
 # ----------------------------------------------------------------------------------------------
 # Models and data
 
@@ -228,7 +258,7 @@ def build_models(args, backend: str, device, dtype):
     hf = BertForMaskedLM(hf_config)
     ours = from_hf_bert(hf, BertImplForMaskedLM)
     ours.config.sparse_prediction = True
-    ours.config.onednn_linear = {"auto": "auto", "true": True, "false": False}[args.onednn_linear]
+    ours.config.kernels = args.kernels
     ours.set_attn_implementation(backend)
     return hf.to(device, dtype), ours.to(device, dtype)
 
@@ -509,8 +539,9 @@ def matmul_peak_flops(device, dtype, n=None, reps=5) -> dict[str, float]:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     kernels = {"torch.mm": lambda: torch.mm(a, b)}
-    if ONEDNN_LINEAR is not None and device.type == "cpu" and dtype == torch.float32:
-        kernels["onednn"] = lambda: ONEDNN_LINEAR(a, b, None, "none", [], "")
+    onednn = kernels_bert_impl._onednn_op()
+    if onednn is not None and device.type == "cpu" and dtype == torch.float32:
+        kernels["onednn"] = lambda: onednn(a, b, None, "none", [], "")
     result = {}
     for name, kernel in kernels.items():
         best = float("inf")
@@ -558,7 +589,7 @@ def model_flops(config, workload, lengths, n_masked) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_backend(args, backend, device, dtype, tokenizer, peaks):
+def run_backend(args, backend, device, dtype, tokenizer, peaks, start_s: float = 0.0):
     hf, ours = build_models(args, backend, device, dtype)
     batches, lengths, source = make_batches(args, tokenizer, device)
     checks = check_outputs(args, hf, ours, batches, backend)
@@ -580,11 +611,15 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks):
         scope_run = args.autocast_scope == "run" and not training
         context = nullcontext if scope_run else (lambda: precision(args, device))
         fn_a, fn_b = step_fn(hf, workload, batch, opt_a, context), step_fn(ours, workload, batch, opt_b, context)
+        workload_start = kernels_bert_impl.measurement_seconds()
         with precision(args, device) if scope_run else nullcontext():
+            if args.kernels == "auto":  # ours' first call of a shape class measures its kernels: once, untimed
+                fn_b()
             times = interleaved({"transformers": fn_a, "ours": fn_b}, pairs, args.warmup, device)
         peaks.sample()
         flops = model_flops(ours.config, workload, real_lengths, n_masked)
         row = timing_row(times, "transformers", pairs, mask, flops, peaks.best)
+        row["ours_kernels"] = kernel_record(args, start_s, workload_start)
         if args.memory:
             for tag, fn, model in (("transformers", fn_a, hf), ("ours", fn_b, ours)):
                 if device.type == "cuda":
@@ -662,7 +697,7 @@ class _Session:
         return torch.from_numpy(self.session.run(None, feed)[0])
 
 
-def run_onnxruntime(args, device, tokenizer, peaks):
+def run_onnxruntime(args, device, tokenizer, peaks, start_s: float = 0.0):
     """ours (torch) vs onnxruntime running transformers' BERT, and our own ONNX export, same weights;
     outputs checked (<= 1e-4 on real tokens) before timing, then timed interleaved (ORT-transformers,
     ours, ORT-ours, ...)."""
@@ -700,15 +735,20 @@ def run_onnxruntime(args, device, tokenizer, peaks):
             fns = {"onnxruntime_transformers": lambda b=batch: sessions["onnxruntime_transformers"](b),
                    "ours": step_fn(ours, workload, batch, None),
                    "onnxruntime_ours": lambda b=batch: sessions["onnxruntime_ours"](b)}
+            workload_start = kernels_bert_impl.measurement_seconds()
+            if args.kernels == "auto":  # ours' first call of a shape class measures its kernels: once, untimed
+                fns["ours"]()
             times = interleaved(fns, pairs, args.warmup, device)
             flops = model_flops(ours.config, workload, mask.sum(1).tolist(), 0)
             row = timing_row(times, "onnxruntime_transformers", pairs, mask, flops, peaks.best)
+            row["ours_kernels"] = kernel_record(args, start_s, workload_start)
             row.update(ratios(times["onnxruntime_transformers"], times["onnxruntime_ours"], prefix="ours_onnx_ratio"))
             results[workload] = row
             for tag in times:
                 r = row[tag]
                 print(f"  {workload:6s} {tag:25s} {r['latency_ms']:9.1f} ms {r['tokens_per_s_padded']:10.0f} tok/s "
                       f"{r['tokens_per_s_real']:10.0f} real tok/s")
+            print(f"  {workload:6s} ours' kernels: {describe_kernels(row['ours_kernels'])}")
             print(f"  {workload:6s} ours / onnxruntime(transformers): {row['ratio_median']:.3f}x "
                   f"(range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}); our ONNX export in onnxruntime / "
                   f"onnxruntime(transformers): {row['ours_onnx_ratio_median']:.3f}x; real-token fraction {row['real_token_fraction']:.3f}")
@@ -740,6 +780,8 @@ def print_row(backend, workload, row):
         print(f"  {workload:6s} {tag:13s} {r['latency_ms']:9.1f} ms {r['tokens_per_s_padded']:10.0f} tok/s "
               f"{r['tokens_per_s_real']:10.0f} real tok/s  peak {mem} MB  MFU {100 * r['mfu']:5.1f}%{act}")
     mem = f", memory {row['memory_ratio']:.3f}x" if "memory_ratio" in row else ""
+    if "ours_kernels" in row:
+        print(f"  {workload:6s} ours' kernels: {describe_kernels(row['ours_kernels'])}")
     print(f"  {workload:6s} ours/transformers: {row['ratio_median']:.3f}x tokens/s (median of {row['pairs']} pairs, "
           f"range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}){mem}; real-token fraction {row['real_token_fraction']:.3f}")
 
@@ -776,8 +818,7 @@ def main(argv=None):
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.dropout_masks != "auto":  # for this process: the mask `_dropout` draws and the attention route in training
-        modeling_bert_impl._SERIAL_BERNOULLI = args.dropout_masks == "bits"
+    start_s = kernels_bert_impl.measurement_seconds()  # measuring done before this run (a caller's process) not counted
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = DTYPES[args.dtype]
@@ -789,9 +830,11 @@ def main(argv=None):
     result = {"args": asdict(args), "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": info, "device_type": device.type, "backends": {}}
     if args.against == "onnxruntime":
-        result["backends"]["onnxruntime"] = run_onnxruntime(args, device, tokenizer, peaks)
+        result["backends"]["onnxruntime"] = run_onnxruntime(args, device, tokenizer, peaks, start_s)
     for backend in args.backends.split(",") if args.against == "transformers" else ():
-        result["backends"][backend] = run_backend(args, backend, device, dtype, tokenizer, peaks)
+        result["backends"][backend] = run_backend(args, backend, device, dtype, tokenizer, peaks, start_s)
+    result["kernels"] = {**kernel_record(args, start_s), "cache": kernels_bert_impl.cache_path()}
+    print(f"ours' kernels: {describe_kernels(result['kernels'])}; record: {result['kernels']['cache'] or 'off (memory only)'}")
     peaks.sample()
     # MFU was computed per workload with the best peak seen so far; recompute with the run's best.
     for res in result["backends"].values():

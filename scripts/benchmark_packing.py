@@ -8,8 +8,11 @@ Copy-paste commands (offline; a full-size run takes about 20 s on one thread of 
     # the table of docs/training.md ("Sequence packing"): tiny model, 10 batches of 32, 3 passes
     python scripts/benchmark_packing.py --threads 1 --json benchmarks/cpu-amd-zen4_packing_1thread.json
     python scripts/benchmark_packing.py --threads 2 --json benchmarks/cpu-amd-zen4_packing_2threads.json
-    python scripts/benchmark_packing.py --threads 1 --unpad_inputs false \
-        --json benchmarks/cpu-amd-zen4_packing_1thread_no_unpad.json
+    # the plain model (no kernels: padded batches on the whole grid, packed rows on a block-diagonal mask)
+    python scripts/benchmark_packing.py --threads 1 --kernels reference \
+        --json benchmarks/cpu-amd-zen4_packing_1thread_reference.json
+    # a kernel forced (names of hf_bert_impl/kernels_bert_impl.py), the plain model at every other point
+    python scripts/benchmark_packing.py --threads 1 --kernels unpadded,bits_dropout
 
 What it does: batch_size x num_batches token-classification rows from the embedded corpus
 (hf_bert_impl/data.py), each 1 to 8 consecutive sentences of one paragraph (as many as it has), word
@@ -17,13 +20,16 @@ tags read off the text (Python keyword / capitalised / other), truncated to --ma
 of a WordPiece tokenizer trained on the corpus as scripts/pretrain_mlm.py trains one (the `tokenizers`
 trainer is not bit-reproducible between runs, so the real-token count can move by a few per 10,000;
 --tokenizer_name fixes it). Every batch is collated both ways before timing: padded
-(DataCollatorForTokenClassification; the model drops the padding inside while unpad_inputs is on) and
+(DataCollatorForTokenClassification; the model drops the padding inside, by its "unpadded" kernel) and
 packed (DataCollatorWithFlattening: one row, position_ids restarting at 0 per sequence).
 Check first: with dropout off (model.eval()) the first batch's loss must agree both ways within 1e-5,
 else it stops (exit 1). Then, in training mode (dropout on), forward + backward (+ an AdamW step with
 --optimizer_step true; off by default) is timed per batch, padded then packed, batch by batch, for
 --passes passes after --warmup untimed pairs. Speed-up = padded seconds / packed seconds (all passes;
-min-max of the per-pass ratios beside it).
+min-max of the per-pass ratios beside it). `--kernels` is the model's config.kernels (default auto: each kernel
+point measured once per shape class, in an untimed training-mode forward over every batch before timing); the JSON's
+"kernels" records the setting, the kernels the model ran (the choices "auto" made, or the forced set) and the seconds
+spent measuring them.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ from transformers import AutoTokenizer, DataCollatorForTokenClassification, Data
 
 from hf_bert_impl import BertImplConfig, BertImplForTokenClassification
 from hf_bert_impl import data as D
+from hf_bert_impl import kernels_bert_impl
 from hf_bert_impl.cli import machine_record, write_result_json
-from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
+from hf_bert_impl.configuration_bert_impl import KERNEL_NAMES, SIZE_PRESETS, kernel_names
 
 TAGS = ["O", "KEYWORD", "CAPITALISED"]
 LOSS_TOLERANCE = 1e-5
@@ -56,8 +63,10 @@ class PackingArguments:
     max_seq_length: int = field(default=256, metadata={"help": "truncate rows to this many tokens (8 to 512)"})
     passes: int = field(default=3, metadata={"help": "timed passes over all batches"})
     warmup: int = field(default=2, metadata={"help": "untimed (padded, packed) batch pairs before timing"})
-    unpad_inputs: bool = field(default=True, metadata={"help": "the model's unpad_inputs (false: padded batches run on "
-                                                               "the whole grid, packed rows on a block-diagonal mask)"})
+    kernels: str = field(default="auto", metadata={"help": "the model's config.kernels: auto (measured), reference (the "
+                                                           "plain model: padded batches run on the whole grid, packed rows "
+                                                           "on a block-diagonal mask) or kernel names, comma-separated: "
+                                                           + ", ".join(KERNEL_NAMES)})
     tokenizer_name: str | None = field(default=None, metadata={"help": "a saved tokenizer (default: one trained "
                                                                         "on the corpus)"})
     optimizer_step: bool = field(default=False, metadata={"help": "also time an AdamW step per batch"})
@@ -81,6 +90,11 @@ def check_args(args: PackingArguments) -> None:
         fail(f"--warmup and --threads must be >= 0, got {args.warmup}, {args.threads}")
     if not 8 <= args.max_seq_length <= 512:
         fail(f"--max_seq_length must be in [8, 512] (BERT's learned positions stop at 512), got {args.max_seq_length}")
+    try:
+        kernel_names(args.kernels)
+    except ValueError:
+        fail(f"--kernels must be auto, reference or kernel names from {', '.join(KERNEL_NAMES)} (comma-separated), "
+             f"got {args.kernels!r}")
 
 
 def tag(word: str) -> int:
@@ -125,6 +139,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     info = machine_record()
     print(f"machine: {info}")
+    measured_before = kernels_bert_impl.measurement_seconds()  # a caller's process may have measured already
 
     if args.tokenizer_name:
         try:
@@ -145,7 +160,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = BertImplForTokenClassification(BertImplConfig.from_preset(
         args.model_size, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=len(TAGS),
-        unpad_inputs=args.unpad_inputs))
+        kernels=args.kernels))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if args.optimizer_step else None
 
     model.eval()  # dropout off: both layouts must compute the same loss
@@ -160,6 +175,9 @@ def main(argv=None):
           f"|diff| {diff:.2e} <= {LOSS_TOLERANCE}")
 
     model.train()
+    if args.kernels == "auto":  # each shape class's first call measures its kernels: all of them now, untimed
+        for b in padded + packed:
+            model(**b)
     for i in range(args.warmup):
         step(model, padded[i % len(padded)], optimizer)
         step(model, packed[i % len(packed)], optimizer)
@@ -175,6 +193,10 @@ def main(argv=None):
     paths = {k: {"seconds": sum(t), "seconds_per_pass": t, "sequences_per_s": len(examples) * args.passes / sum(t),
                  "real_tokens_per_s": real * args.passes / sum(t)} for k, t in per_pass.items()}
     ratios = [a / b for a, b in zip(per_pass["padded"], per_pass["packed"])]
+    setting = kernels_bert_impl.parse_setting(args.kernels)
+    kernels = {"setting": args.kernels,
+               "chosen": kernels_bert_impl.chosen_kernels() if setting == "auto" else setting if setting == "reference" else sorted(setting),
+               "measurement_s": kernels_bert_impl.measurement_seconds() - measured_before}
     words, tokens = sorted(len(r) for r in rows), sorted(lengths)
     result = {
         "args": asdict(args),
@@ -186,6 +208,7 @@ def main(argv=None):
                  "tokens_min_median_max": [tokens[0], statistics.median(tokens), tokens[-1]], "real_tokens": real,
                  "padded_grid_tokens": grid, "real_token_fraction": real / grid, "token_lengths": lengths},
         "loss_check": {"padded": losses[0], "packed": losses[1], "abs_diff": diff, "tolerance": LOSS_TOLERANCE},
+        "kernels": kernels,
         **paths,
         "speedup": paths["padded"]["seconds"] / paths["packed"]["seconds"],
         "speedup_per_pass": ratios, "speedup_min": min(ratios), "speedup_max": max(ratios),
@@ -193,7 +216,9 @@ def main(argv=None):
 
     print(f"{len(rows)} rows: {words[0]} to {words[-1]} words (median {statistics.median(words)}), {tokens[0]} to "
           f"{tokens[-1]} tokens; real tokens {100 * real / grid:.1f} % of the padded grid ({real:,} of {grid:,})")
-    threads = f"{torch.get_num_threads()}" + ("" if args.unpad_inputs else ", `unpad_inputs=False`")
+    print(f"kernels: {args.kernels}" + (f" ({len(kernels['chosen'])} choices, measuring took {kernels['measurement_s']:.2f} s)"
+                                        if setting == "auto" else " (forced)" if setting != "reference" else " (the plain model)"))
+    threads = f"{torch.get_num_threads()}" + ("" if args.kernels == "auto" else f", `kernels={args.kernels}`")
     cells = [f"{p['seconds']:.2f} s, {p['sequences_per_s']:.1f} sequences/s, "
              f"{p['real_tokens_per_s']:,.0f} real tokens/s" for p in paths.values()]
     result["markdown_table"] = table = "\n".join([

@@ -8,9 +8,9 @@ The batch and sequence dimensions are dynamic (torch.export.Dim); the sequence m
 config.max_position_embeddings. The head is the one in config.json's `architectures`. After the
 export the script runs the ONNX file in onnxruntime and the model in torch on padded random
 batches at each of --check_lengths and fails (exit 1) if any output differs by more than --atol:
-every position against torch's padded path (the graph that is exported: unpadding has
-data-dependent shapes), and the real (unpadded) tokens against torch's default path, which
-returns zeros at padding positions where the exported graph, like transformers, returns values.
+every position against torch's plain model (the graph that is exported: unpadding has
+data-dependent shapes), and the real tokens against torch's default path (both write zeros at
+padding positions; tests/test_export.py compares them everywhere).
 Needs the `test` extra (onnx, onnxscript, onnxruntime): pip install -e '.[test]'.
 """
 
@@ -80,16 +80,13 @@ def dynamic_shapes(model) -> dict:
 
 @contextlib.contextmanager
 def padded_path(model):
-    """Run `model` on its padded path (config.unpad_inputs=False), the one torch.export traces."""
-    before = getattr(model.config, "unpad_inputs", None)
-    model.config.unpad_inputs = False
+    """Run `model` as the plain model (config.kernels="reference": no unpadding), the graph torch.export traces."""
+    before = model.config.kernels
+    model.config.kernels = "reference"
     try:
         yield model
     finally:
-        if before is None:
-            del model.config.unpad_inputs
-        else:
-            model.config.unpad_inputs = before
+        model.config.kernels = before
 
 
 def output_names(model, inputs) -> list[str]:

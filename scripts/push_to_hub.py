@@ -12,7 +12,7 @@
     #   AutoModelForMaskedLM.from_pretrained("alice/bert-impl-mlm", trust_remote_code=True)
 
 Uploads model.safetensors, config.json (auto_map for every head), configuration_bert_impl.py,
-modeling_bert_impl.py, checkpoint_bert_impl.py, the tokenizer files, the loss-curve image and README.md (the model card,
+modeling_bert_impl.py, kernels_bert_impl.py, checkpoint_bert_impl.py, the tokenizer files, the loss-curve image and README.md (the model card,
 from model_cards/model_card.md and the directory's training_facts.json). Every check (repo id,
 files, safetensors, login) runs before anything is built or sent; a failed check prints one line
 and exits with status 2 (status 1: the Hub itself refused the upload).

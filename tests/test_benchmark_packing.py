@@ -29,7 +29,7 @@ def test_benchmark_packing_checks_the_loss_and_writes_consistent_json(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["command"] == "python scripts/benchmark_packing.py " + " ".join(argv)
-    assert r["args"]["batch_size"] == 4 and r["args"]["unpad_inputs"] is True and r["args"]["model_size"] == "tiny"
+    assert r["args"]["batch_size"] == 4 and r["args"]["kernels"] == "auto" and r["args"]["model_size"] == "tiny"
     assert {"cpu", "torch", "transformers"} <= set(r["machine"]) and r["machine"]["torch_threads"] == 1
     assert r["timed"] == "forward + backward per batch, training mode"
 
@@ -57,6 +57,33 @@ def test_benchmark_packing_checks_the_loss_and_writes_consistent_json(tmp_path):
     assert f"{r['speedup']:.2f}x" in r["markdown_table"] and r["markdown_table"] in result.stdout
     assert "loss check (first batch, dropout off)" in result.stdout and math.isfinite(check["padded"])
 
+    # "auto": the choices made (a key per point and shape class, each a kernel name or "reference"), measured in this
+    # fresh process (the record file is this test session's), before timing
+    kernels = r["kernels"]
+    assert kernels["setting"] == "auto" and kernels["measurement_s"] >= 0
+    assert {key.split("|")[0] for key in kernels["chosen"]} >= {"linear", "dropout", "layout"}, kernels
+    assert set(kernels["chosen"].values()) <= {"reference", "onednn_linear", "fused_activation", "bits_dropout",
+                                               "per_sequence_attention", "grid_attention"}
+    assert f"kernels: auto ({len(kernels['chosen'])} choices" in result.stdout
+
+
+@pytest.mark.parametrize("kernels,chosen,cell", [
+    ("reference", "reference", ", `kernels=reference`"),
+    ("bits_dropout,unpadded", ["bits_dropout", "unpadded"], ", `kernels=bits_dropout,unpadded`"),
+])
+def test_benchmark_packing_runs_the_kernels_it_is_given(kernels, chosen, cell, monkeypatch):
+    """--kernels goes to the model's config.kernels (reference: the plain model, padded batches on the whole grid and
+    packed rows on a block-diagonal mask, as `--unpad_inputs false` ran before 0.4): the loss check still holds, the JSON
+    records the forced set and no measuring, the table's threads cell names it."""
+    bench = load_script("benchmark_packing")
+    built, build = [], bench.BertImplForTokenClassification
+    monkeypatch.setattr(bench, "BertImplForTokenClassification", lambda config: built.append(build(config)) or built[-1])
+    r = bench.main(["--num_batches", "1", "--batch_size", "4", "--max_seq_length", "32", "--passes", "1", "--warmup", "0",
+                    "--model_size", "debug", "--kernels", kernels])
+    assert built[0].config.kernels == kernels and r["args"]["kernels"] == kernels
+    assert r["kernels"] == {"setting": kernels, "chosen": chosen, "measurement_s": 0.0}
+    assert r["loss_check"]["abs_diff"] <= 1e-5 and f"| 1{cell} |" in r["markdown_table"]
+
 
 def test_benchmark_packing_bad_value_is_a_one_line_usage_error():
     result = run("--num_batches", "0")
@@ -71,6 +98,8 @@ def test_benchmark_packing_bad_value_is_a_one_line_usage_error():
     (["--max_seq_length", "1000"], "--max_seq_length must be in [8, 512]"),
     (["--model_size", "huge"], "--model_size must be one of ['debug', 'tiny', 'mini'"),
     (["--threads", "-1"], "--warmup and --threads must be >= 0, got 2, -1"),
+    (["--kernels", "fast"], "--kernels must be auto, reference or kernel names from onednn_linear, fused_activation, "),
+    (["--kernels", "unpadded,nope"], "got 'unpadded,nope'"),
 ])
 def test_benchmark_packing_rejects_bad_values_before_any_work(argv, message, capsys):
     bench = load_script("benchmark_packing")

@@ -161,16 +161,18 @@ def real_tokens(t, inputs):
 
 
 def spy_unpadding(monkeypatch):
-    calls = []
-    original = BertImplModel._token_map
+    import hf_bert_impl.modeling_bert_impl as modeling
 
-    def spy(self, *args, **kwargs):
-        tokens = original(self, *args, **kwargs)
-        if tokens is not None:  # the layers run on the real tokens only
+    calls = []
+    original = modeling.token_map_kernel
+
+    def spy(*args, **kwargs):
+        tokens = original(*args, **kwargs)
+        if tokens is not None and tokens.unpadded:  # the layers run on the real tokens only
             calls.append(tokens)
         return tokens
 
-    monkeypatch.setattr(BertImplModel, "_token_map", spy)
+    monkeypatch.setattr(modeling, "token_map_kernel", spy)
     return calls
 
 
@@ -208,12 +210,13 @@ def test_encoder_matches_transformers_float32(backend, layout, monkeypatch):
     ours_in, hf_in = make_inputs(layout)
     calls = spy_unpadding(monkeypatch)
     with torch.no_grad():
-        got = ours(**ours_in, output_hidden_states=True)
+        fast = ours(**ours_in)  # padded and packed batches: the real tokens only (kernels' layout)
+        got = ours(**ours_in, output_hidden_states=True)  # recorded hidden states: the padded batch
         want = hf(**hf_in, output_hidden_states=True)
     assert got.last_hidden_state.device.type == DEVICE.type
     assert len(calls) == (0 if layout == "full" else 1), "padded and packed batches take the unpadded path"
     diffs = [(real_tokens(a, ours_in) - real_tokens(b, hf_in)).abs().max().item()
-             for a, b in zip(got.hidden_states, want.hidden_states)]
+             for a, b in zip(got.hidden_states + (fast.last_hidden_state,), want.hidden_states + (want.last_hidden_state,))]
     if layout != "packed":  # a packed row has one [CLS] position for many sequences: no pooler to compare
         diffs.append((got.pooler_output - want.pooler_output).abs().max().item())
     print(f"\n[{DEVICE.type} {backend} {layout}] float32 max|diff| per layer {['%.1e' % d for d in diffs]}")

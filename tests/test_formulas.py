@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 from hf_bert_impl import BertImplForMaskedLM
+from hf_bert_impl import kernels_bert_impl as kernels
 from hf_bert_impl.modeling_bert_impl import (
     BertImplSelfAttention,
-    TokenMap,
     eager_attention_forward,
     masked_lm_loss,
     sinusoidal_position_encoding,
@@ -112,13 +112,16 @@ def test_multihead_matches_seed_reference(debug_config, batch, backend):
     mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
     b, s = attention_mask.shape
     with torch.no_grad():
-        got, _ = ours(x, TokenMap((b, s), (b, s), mask))  # the padded batch: the grid is the batch
+        got, _ = ours(x, mask)  # the plain model: the padded batch, masked
         want = seed(x, mask)
-        # the real tokens only (1, T, H), attention on a compact grid of the sequences
-        real = TokenMap.from_padding_mask(attention_mask, attention_mask.sum(1).tolist(), x.dtype, flash=False)
-        got_real, _ = ours(real.gather(x), real)
     assert (got - want).abs().max().item() <= 1e-5
-    assert (real.scatter(got_real) - want)[attention_mask.bool()].abs().max().item() <= 1e-5
+    # the real tokens only (1, T, H), attention per sequence and on a compact grid (kernels_bert_impl.py)
+    for layout in ("per_sequence_attention", "grid_attention"):
+        config.kernels = layout
+        real = kernels.token_map_kernel(config.kernels, config, attention_mask, None, (b, s), x.dtype, {})
+        with torch.no_grad():
+            got_real, _ = ours(real.gather(x), None, real)
+        assert (real.scatter(got_real) - want)[attention_mask.bool()].abs().max().item() <= 1e-5, layout
 
 
 def test_mlm_loss_matches_hand_computation(debug_config):

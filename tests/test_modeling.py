@@ -41,9 +41,9 @@ ATOL = 1e-5  # float32, unit-scale activations (docs/formulas.md, tolerances)
         (dict(hidden_act="gelu_fancy"), "hidden_act"),
         (dict(layer_norm_eps=0), "layer_norm_eps"),
         (dict(pad_token_id=500), "pad_token_id"),
-        (dict(unpad_inputs="yes"), "unpad_inputs"),
+        (dict(kernels="fast"), "kernels"),
         (dict(sparse_prediction=1), "sparse_prediction"),
-        (dict(onednn_linear=None), "onednn_linear"),
+        (dict(scale_word_embeddings=1), "scale_word_embeddings"),
     ],
 )
 def test_invalid_config_names_field_and_value(overrides, field):
@@ -135,6 +135,30 @@ def test_sequence_classification_problem_types(debug_config, batch, num_labels, 
         "bce": lambda: torch.nn.functional.binary_cross_entropy_with_logits(logits, labels),
     }[loss_name]()
     assert abs(out.loss.item() - want.item()) <= 1e-6
+
+
+@pytest.mark.parametrize("num_labels,problem_type", [(2, "single_label_classification"), (1, "regression"), (1, None), (3, None)])
+def test_integer_labels_reach_the_loss_as_transformers_passes_them(debug_config, batch, num_labels, problem_type):
+    """Integer labels are cast to float only for regression and multi-label problems (transformers' contract): with
+    problem_type="single_label_classification" and one label they stay integer (0.3.6 cast them, and cross-entropy
+    raised "expected target dtype Long"); the outcome equals transformers' BertForSequenceClassification's."""
+    from hf_bert_impl.convert import to_hf_bert
+
+    torch.manual_seed(0)
+    model = BertImplForSequenceClassification(debug_config(num_labels=num_labels, problem_type=problem_type)).eval()
+    hf = to_hf_bert(model)
+    input_ids, attention_mask, _ = batch
+    labels = torch.randint(0, num_labels, (13,))
+
+    def outcome(m):  # the loss, or the error transformers' loss raises (5.x refuses one-label single-label classification)
+        try:
+            with torch.no_grad():
+                return round(m(input_ids, attention_mask=attention_mask, labels=labels).loss.item(), 6)
+        except ValueError as e:
+            return str(e)
+
+    got, want = outcome(model), outcome(hf)
+    assert got == want and "dtype" not in str(got), (got, want)
 
 
 # ---------------------------------------------------------------------------------------------

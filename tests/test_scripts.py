@@ -73,7 +73,7 @@ def assert_hub_directory(out: Path, architecture: str):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "bert_impl" and config["architectures"] == [architecture]
     assert config["auto_map"]["AutoConfig"] == "configuration_bert_impl.BertImplConfig"
-    for name in ("model.safetensors", "checkpoint_bert_impl.py", "configuration_bert_impl.py", "modeling_bert_impl.py",
+    for name in ("model.safetensors", "checkpoint_bert_impl.py", "configuration_bert_impl.py", "kernels_bert_impl.py", "modeling_bert_impl.py",
                  "tokenizer.json", "tokenizer_config.json", "training_facts.json", "loss_curve.png", "README.md"):
         assert (out / name).is_file(), f"{name} missing from {out}"
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,13 +1,22 @@
-"""The speed paths of modeling_bert_impl.py, each against the plain path it replaces (fp32, 1e-5):
-unpadding (padded batches and packed rows from DataCollatorWithFlattening), sparse MLM
-prediction, and torch.compile (no graph breaks at fixed shape, no recompile per length).
+"""The speed paths of kernels_bert_impl.py, each FORCED (`config.kernels = "<name>"`) against the plain model
+(`kernels="reference"`) and, for parity, transformers' BERT with the same weights: float32 within 1e-5 (bit for bit
+where said), bf16 within 3x the error nn.Linear / transformers have against float32. No test assumes which kernel
+"auto" picks on this machine (the suite runs unchanged on AMD and Intel CPUs): the measured choice is tested for its
+contract instead (recorded, reused by later processes, the same in concurrent ones, never a disagreeing kernel).
+Also here: sparse MLM prediction, input checks without host syncs, torch.compile, scripts/benchmark.py.
 
 Run: pytest tests/test_speed_paths.py -q
 """
 
 import copy
 import functools
+import json
+import os
+import re
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -15,48 +24,28 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, DataCollatorWithFlattening
 
-from hf_bert_impl import BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
+from hf_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
+from hf_bert_impl import configuration_bert_impl as cb
+from hf_bert_impl import kernels_bert_impl as K
 from hf_bert_impl import modeling_bert_impl as mb
 
+from .conftest import REPO_ROOT, ListDataset
 from .test_convert import hf_config  # transformers' BertConfig of the debug flavour (the oracle models)
 
 ATOL = 1e-5  # float32, unit-scale activations (docs/formulas.md, tolerances)
 VOCAB = 99
 
 
-def _plain(model):
-    """The same weights with the unpadded path switched off: the reference every speed path must match."""
+def _forced(model, kernels):
+    """A copy of `model` (the same weights) that runs `kernels` ("reference": the plain model alone)."""
     other = copy.deepcopy(model)
-    other.config.unpad_inputs = False
+    other.config.kernels = kernels
     return other
 
 
-def _spy_unpadding(monkeypatch, layout=None):
-    """Record each forward that runs the layers on the real tokens only (its token map), so a test
-    cannot pass on the padded path by accident; with `layout`, check which way attention ran."""
-    calls = []
-    original = BertImplModel._token_map
-
-    def spy(self, *args, **kwargs):
-        tokens = original(self, *args, **kwargs)
-        if tokens is not None:
-            assert tokens.cu_seqlens is not None  # unpadded
-            if layout is not None:
-                assert (tokens.seq_lengths is not None, tokens.grid_index is not None) == (
-                    layout == "per-sequence", layout == "grid"), layout
-            calls.append(tokens)
-        return tokens
-
-    monkeypatch.setattr(BertImplModel, "_token_map", spy)
-    return calls
-
-
-@pytest.fixture(params=["per-sequence", "grid"])
-def attention_layout(request, monkeypatch):
-    """Both ways unpadded sequences attend under eager / sdpa: one unmasked call per sequence (on
-    CPU) and one call on a masked (n, m) grid (on other devices), each forced here on the CPU."""
-    monkeypatch.setattr(mb, "_PER_SEQUENCE_DEVICES", ("cpu",) if request.param == "per-sequence" else ())
-    return request.param
+def _plain(model):
+    """The same weights on the plain model: the reference every kernel must match."""
+    return _forced(model, "reference")
 
 
 def _max_diff_real(a, b, attention_mask):
@@ -64,31 +53,88 @@ def _max_diff_real(a, b, attention_mask):
     return (a - b)[real].abs().max().item()
 
 
-# ---------------------------------------------------------------------------------------------
-# Linear layers on oneDNN (CPU float32)
+def _linear_layers(config) -> int:  # Wqkv, Wo, Wi, Wo per layer; the MLM head's dense and decoder
+    return 4 * config.num_hidden_layers + 2
 
-needs_onednn = pytest.mark.skipif(mb._ONEDNN_LINEAR is None, reason="this torch build has no oneDNN linear")
+
+def _mlm_batch(batch):
+    input_ids, attention_mask, token_type_ids = batch
+    g = torch.Generator().manual_seed(7)
+    chosen = (torch.rand(input_ids.shape, generator=g) < 0.3) & attention_mask.bool()
+    chosen[0, 0] = True
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+    return input_ids, attention_mask, token_type_ids, labels
+
+
+needs_onednn = pytest.mark.skipif(K._onednn_op() is None, reason="this torch build has no oneDNN linear")
+needs_onednn_bf16 = pytest.mark.skipif(not K._onednn_runs(torch.bfloat16),
+                                       reason="oneDNN's linear has no bfloat16 kernel on this CPU / build")
+
+
+# ---------------------------------------------------------------------------------------------
+# Spies: each test sees the kernel it forced run, so it cannot pass on the reference by accident
 
 
 def _spy_onednn_linear(monkeypatch, record=lambda x: 1) -> list:
     """Records `record(input)` for each linear layer call that runs on oneDNN (`_LinearFunction`, onednn=True)."""
-    calls, apply = [], mb._LinearFunction.apply
-    monkeypatch.setattr(mb._LinearFunction, "apply", lambda *a: (calls.append(record(a[0])) if a[3] else None) or apply(*a))
+    calls, apply = [], K._LinearFunction.apply
+    monkeypatch.setattr(K._LinearFunction, "apply", lambda *a: (calls.append(record(a[0])) if a[3] else None) or apply(*a))
+    return calls
+
+
+def _spy_linear_function(monkeypatch) -> list:
+    """Records (onednn, skip_zero_rows) of each call of the written-out linear (`_LinearFunction`)."""
+    calls, apply = [], K._LinearFunction.apply
+    monkeypatch.setattr(K._LinearFunction, "apply", lambda *a: calls.append((a[3], a[4])) or apply(*a))
     return calls
 
 
 def _spy_gemm(monkeypatch, record=lambda a, w: a.reshape(-1, a.size(-1)).size(0)) -> list:
     """Records `record(left operand, weight)` of each GEMM `_LinearFunction` runs (`_gemm`); by default the row count."""
-    calls, gemm = [], mb._gemm
-    monkeypatch.setattr(mb, "_gemm", lambda a, w, *rest: calls.append(record(a, w)) or gemm(a, w, *rest))
+    calls, gemm = [], K._gemm
+    monkeypatch.setattr(K, "_gemm", lambda a, w, *rest: calls.append(record(a, w)) or gemm(a, w, *rest))
     return calls
 
 
-def _spy_attention_impls(monkeypatch) -> list:
-    """Records the attention implementation each attention call of ours looks up (`_attention_function`)."""
-    impls, get = [], mb._attention_function
-    monkeypatch.setattr(mb, "_attention_function", lambda impl: impls.append(impl) or get(impl))
-    return impls
+def _spy_fused_activations(monkeypatch) -> list:
+    """Records the post-op of each oneDNN call that applies an activation inside the GEMM: the kernel module fetches
+    the op through `_onednn_op()` at every call, so a wrapper returned from there sees them all."""
+    calls, op = [], K._onednn_op()
+    wrapper = lambda *a: (calls.append(a[3]) if a[3] != "none" else None) or op(*a)  # noqa: E731
+    monkeypatch.setattr(K, "_onednn_op", lambda: wrapper)
+    return calls
+
+
+def _spy_eager_attention(monkeypatch) -> list:
+    """Records each call of the eager formula (`eager_attention_forward`, looked up at call time by the model)."""
+    calls, eager = [], mb.eager_attention_forward
+    monkeypatch.setattr(mb, "eager_attention_forward", lambda *a, **k: calls.append(a[1].shape) or eager(*a, **k))
+    return calls
+
+
+def _spy_unpadding(monkeypatch, layout=None) -> list:
+    """Records each forward whose layers run on the real tokens only (the token map of the "layout" point); with
+    `layout`, checks how attention ran: one call per sequence or a compact masked grid."""
+    calls, original = [], mb.token_map_kernel
+
+    def spy(*args, **kwargs):
+        tokens = original(*args, **kwargs)
+        if tokens is not None:
+            if layout is not None:
+                per_sequence = layout in ("unpadded", "per_sequence_attention")
+                assert (tokens.seq_lengths is not None, tokens.grid_index is not None) == (per_sequence, not per_sequence), layout
+            calls.append(tokens)
+        return tokens
+
+    monkeypatch.setattr(mb, "token_map_kernel", spy)
+    return calls
+
+
+@pytest.fixture(params=["per_sequence_attention", "grid_attention"])
+def attention_layout(request):
+    """Both ways unpadded sequences attend under eager / sdpa, each forced: one unmasked call per sequence, and one
+    call on a masked (n, m) grid (what "auto" may pick on a CPU; the grid is what accelerators get)."""
+    return request.param
 
 
 def _assert_bf16_within_3x_of_nn_linear(layer, x32, g32):
@@ -109,13 +155,51 @@ def _assert_bf16_within_3x_of_nn_linear(layer, x32, g32):
         assert (mine - exact).abs().max() <= 3 * (theirs - exact).abs().max() + 1e-6
 
 
+# ---------------------------------------------------------------------------------------------
+# config.kernels
+
+
+def test_kernels_setting_is_validated_and_parsed(debug_config):
+    """"auto" by default; "reference"; kernel names as a string, comma-separated, or a list (forced; fused_activation
+    implies onednn_linear); anything else a ValueError naming the value. The 0.3.x switches are dropped on load."""
+    assert debug_config().kernels == "auto" and K.parse_setting("auto") == "auto"
+    assert K.parse_setting("reference") == "reference"
+    assert K.parse_setting("onednn_linear, bits_dropout") == frozenset({"onednn_linear", "bits_dropout"})
+    assert K.parse_setting(["unpadded"]) == frozenset({"unpadded"})
+    assert K.parse_setting("fused_activation") == frozenset({"fused_activation", "onednn_linear"})
+    assert set(K.KERNELS) == {"onednn_linear", "fused_activation", "skip_zero_rows", "bits_dropout", "unpadded",
+                              "per_sequence_attention", "grid_attention"}
+    for good in ("reference", ",".join(K.KERNELS), list(K.KERNELS)):
+        assert debug_config(kernels=good).kernels == good
+    old = BertImplConfig.from_preset("debug", onednn_linear=True, unpad_inputs=False)
+    assert not hasattr(old, "onednn_linear") and not hasattr(old, "unpad_inputs") and old.kernels == "auto"
+    assert not {"onednn_linear", "unpad_inputs"} & set(old.to_dict())
+
+
+@pytest.mark.parametrize("bad", ["fast", "", "onednn", "onednn_linear,nope", [], ["unpadded", 3], None, 0,
+                                 True, 1])
+def test_a_bad_kernels_setting_is_refused_naming_the_value(debug_config, bad):
+    message = re.escape(f"BertImplConfig.kernels must be 'auto', 'reference' or kernel names from {K.KERNELS} "
+                        f"(comma-separated), got {bad!r}")
+    config = debug_config()
+    with pytest.raises(ValueError, match=message):
+        config.kernels = bad
+    assert config.kernels == "auto"  # a rejected assignment is rolled back
+    with pytest.raises(ValueError, match=message):
+        debug_config(kernels=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Point "linear": oneDNN's GEMM, the activation inside it
+
+
 @needs_onednn
 @pytest.mark.parametrize("in_features,out_features,dw_by_mm", [(32, 37, False), (8, 100, True)],
                          ids=["dW-on-onednn", "wide-output-dW-by-torch.mm"])
 def test_onednn_linear_forward_and_backward_match_nn_linear(debug_config, monkeypatch, in_features, out_features, dw_by_mm):
     """Forward and every gradient against nn.Linear, on both weight-gradient routes of the backward
     (oneDNN, and torch.mm for an output over 8x wider than the input: the vocabulary projection)."""
-    config = debug_config()
+    config = debug_config(kernels="onednn_linear")
     torch.manual_seed(0)
     layer = mb.BertImplLinear(config, in_features, out_features)
     ref = torch.nn.Linear(in_features, out_features)
@@ -136,72 +220,67 @@ def test_onednn_linear_forward_and_backward_match_nn_linear(debug_config, monkey
     assert (x.grad - x_ref.grad).abs().max().item() <= ATOL
     assert (layer.weight.grad - ref.weight.grad).abs().max().item() <= 1e-4  # a sum over 91 rows of O(1) terms
     assert (layer.bias.grad - ref.bias.grad).abs().max().item() <= 1e-4
-    # switched off, and every case it does not cover, take nn.Linear's own path
-    config.onednn_linear = False
+    # the reference, and every dtype oneDNN is not measured for, take nn.Linear's own path
+    config.kernels = "reference"
     layer(x)
-    config.onednn_linear = True
+    config.kernels = "onednn_linear"
     layer.to(torch.float16)(x.detach().half())
     assert calls == [1]
 
 
-@pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
+@needs_onednn_bf16
 def test_onednn_linear_in_bfloat16_matches_nn_linear(debug_config, monkeypatch):
     """bf16 forward and backward on oneDNN against nn.Linear in bf16: each within 3x nn.Linear's own
-    error against a float32 copy (the bf16 rule of the benchmark), and the oneDNN branch was taken."""
+    error against a float32 copy (the project's bf16 rule), and the oneDNN branch was taken."""
     torch.manual_seed(0)
-    layer = mb.BertImplLinear(debug_config(onednn_linear=True), 64, 48)
+    layer = mb.BertImplLinear(debug_config(kernels="onednn_linear"), 64, 48)
     calls = _spy_onednn_linear(monkeypatch)
     _assert_bf16_within_3x_of_nn_linear(layer, torch.randn(9, 5, 64), torch.randn(9, 5, 48))
     assert calls == [1]
 
 
-def _spy_fused_activations(monkeypatch) -> list:
-    """Records the post-op of each oneDNN call that applies an activation inside the GEMM (`_ONEDNN_ACTS`)."""
-    calls, op = [], mb._ONEDNN_LINEAR
-    monkeypatch.setattr(mb, "_ONEDNN_LINEAR", lambda *a: (calls.append(a[3]) if a[3] != "none" else None) or op(*a))
-    return calls
-
-
 @needs_onednn
 @pytest.mark.parametrize("act,post", [("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu"), ("gelu_new", "gelu"), ("relu", "relu")])
 def test_float32_inference_runs_the_activation_inside_the_gemm(debug_config, batch, monkeypatch, act, post):
-    """On oneDNN in float32 without grad, each MLP's and the MLM head's activation run as oneDNN's post-op: the same logits
-    as the activation after the GEMM (erf GELU bit for bit, the others <= 1e-6) and as transformers' BertForMaskedLM."""
+    """"fused_activation" forced, float32 without grad: each MLP's and the MLM head's activation run as oneDNN's post-op;
+    the same logits as the activation after oneDNN's GEMM (erf GELU bit for bit, the others <= 1e-6), as the plain model
+    and as transformers' BertForMaskedLM (1e-5)."""
     from transformers import BertForMaskedLM
 
     from hf_bert_impl.convert import to_hf_bert
 
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config(onednn_linear=True, hidden_act=act)).eval()
-    if type(model.bert.layers[0].mlp.act) not in mb._ONEDNN_ACTS:
-        pytest.skip(f"oneDNN's post-op for {act} did not reproduce it in the import probe on this CPU / build")
+    model = BertImplForMaskedLM(debug_config(kernels="fused_activation", hidden_act=act)).eval()
+    unfused, plain = _forced(model, "onednn_linear"), _plain(model)
     input_ids, attention_mask, token_type_ids = batch
     calls = _spy_fused_activations(monkeypatch)
     with torch.no_grad():
         fused = model(input_ids, attention_mask, token_type_ids).logits
         assert calls == [post] * (model.config.num_hidden_layers + 1)  # every MLP and the MLM head's dense layer
+        after = unfused(input_ids, attention_mask, token_type_ids).logits
+        reference = plain(input_ids, attention_mask, token_type_ids).logits
         hf = to_hf_bert(model)
         assert isinstance(hf, BertForMaskedLM) and hf.config.hidden_act == act
-        reference = hf.eval()(input_ids, attention_mask, token_type_ids).logits
-        monkeypatch.setattr(mb, "_ONEDNN_ACTS", {})  # the activation after the GEMM, as before
-        unfused = model(input_ids, attention_mask, token_type_ids).logits
-    assert len(calls) == model.config.num_hidden_layers + 1
-    diff = (fused - unfused).abs().max().item()
+        theirs = hf.eval()(input_ids, attention_mask, token_type_ids).logits
+    assert len(calls) == model.config.num_hidden_layers + 1  # the unfused model fused nothing
+    diff = (fused - after).abs().max().item()
     assert diff == 0.0 if act == "gelu" else diff <= 1e-6
-    assert _max_diff_real(fused, reference, attention_mask) <= ATOL
+    assert (fused - reference).abs().max().item() <= ATOL
+    assert _max_diff_real(fused, theirs, attention_mask) <= ATOL
 
 
 @needs_onednn
 def test_the_activation_stays_after_the_gemm_where_it_must(debug_config, batch, monkeypatch):
-    """Not fused: with grad (the backward needs the pre-activation), in bfloat16 (rounded as transformers rounds), for an
-    activation oneDNN has no post-op for (silu), and on a hooked activation module, whose hook still sees its output."""
+    """"fused_activation" forced, yet not fused: with grad (the backward needs the pre-activation), in bfloat16 (rounded as
+    transformers rounds), for an activation oneDNN has no post-op for (silu), and on a hooked activation module, whose
+    hook still sees its output."""
     input_ids, attention_mask, _ = batch
     calls = _spy_fused_activations(monkeypatch)
-    model = BertImplForMaskedLM(debug_config(onednn_linear=True)).eval()
+    model = BertImplForMaskedLM(debug_config(kernels="fused_activation")).eval()
     model(input_ids, attention_mask)  # grad enabled
     with torch.no_grad():
-        BertImplForMaskedLM(debug_config(onednn_linear=True, hidden_act="silu")).eval()(input_ids, attention_mask)
-        if torch.bfloat16 in mb._ONEDNN_DTYPES:
+        BertImplForMaskedLM(debug_config(kernels="fused_activation", hidden_act="silu")).eval()(input_ids, attention_mask)
+        if K._onednn_runs(torch.bfloat16):
             copy.deepcopy(model).bfloat16()(input_ids, attention_mask)
         assert calls == []
         expected = model(input_ids, attention_mask).logits
@@ -213,41 +292,27 @@ def test_the_activation_stays_after_the_gemm_where_it_must(debug_config, batch, 
     assert (hooked - expected).abs().max().item() == 0.0  # the erf GELU fused or not: bit for bit
 
 
-@needs_onednn
-def test_the_activation_probe_rejects_a_post_op_that_computes_something_else():
-    """`_onednn_agrees` (run at import for `_ONEDNN_ACTS`) takes a post-op only where it reproduces the activation."""
-    from transformers.activations import GELUActivation, GELUTanh
-
-    assert mb._onednn_agrees(post=("gelu", [], "none"), act=GELUActivation())
-    assert mb._onednn_agrees(post=("gelu", [], "tanh"), act=GELUTanh())
-    assert not mb._onednn_agrees(post=("relu", [], ""), act=GELUActivation())
-    assert not mb._onednn_agrees(post=("gelu", [], "tanh"), act=GELUActivation())  # tanh approximation, not erf
-    assert not mb._onednn_agrees(post=("gelu", [], "no-such-algorithm"), act=GELUActivation())  # an error means no
-
-
-@pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
+@needs_onednn_bf16
 def test_onednn_linear_under_bfloat16_autocast(debug_config, batch, monkeypatch):
-    """Under torch.autocast("cpu", bfloat16) (Trainer's --bf16 on a CPU) the oneDNN branch runs every
-    linear layer in bfloat16 from the float32 weights, as nn.Linear's op does under autocast: the same
-    output dtype, and the MLM loss, the logits and every weight's gradient within 3x the nn.Linear
-    path's own error against float32 without autocast. Under float16 autocast nn.Linear's op runs."""
+    """Under torch.autocast("cpu", bfloat16) (Trainer's --bf16 on a CPU) forced oneDNN runs every linear layer in
+    bfloat16 from the float32 weights, as nn.Linear's op does under autocast: the same output dtype, and the MLM loss,
+    the logits and every weight's gradient within 3x the plain model's own error against float32 without autocast.
+    Under float16 autocast nn.Linear's op runs."""
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config(onednn_linear=True))
-    blas = copy.deepcopy(model)
-    blas.config.onednn_linear = False
-    exact = copy.deepcopy(blas)
+    model = BertImplForMaskedLM(debug_config(kernels="onednn_linear"))
+    plain = _plain(model)
+    exact = _plain(model)
     calls = _spy_onednn_linear(monkeypatch, record=lambda x: x.dtype)
     input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
     results = {}
-    for name, m, enabled in (("onednn", model, True), ("linear", blas, True), ("fp32", exact, False)):
+    for name, m, enabled in (("onednn", model, True), ("linear", plain, True), ("fp32", exact, False)):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
             out = m(**inputs)
         out.loss.backward()
         results[name] = [out.loss.float(), out.logits.float()] + [p.grad for p in m.parameters()]
         assert out.logits.dtype == (torch.bfloat16 if enabled else torch.float32)
-    linear_layers = 4 * model.config.num_hidden_layers + 2  # Wqkv, Wo, Wi, Wo per layer; the head's dense and decoder
-    assert calls == [torch.bfloat16] * linear_layers
+    assert calls == [torch.bfloat16] * _linear_layers(model.config)
     names = ["loss", "logits"] + [n for n, _ in model.named_parameters()]
     for name, mine, theirs, ref in zip(names, results["onednn"], results["linear"], results["fp32"]):
         assert (mine - ref).abs().max() <= 3 * (theirs - ref).abs().max() + 1e-6, name
@@ -257,14 +322,13 @@ def test_onednn_linear_under_bfloat16_autocast(debug_config, batch, monkeypatch)
     assert calls == []
 
 
-@pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
+@needs_onednn_bf16
 def test_autocast_inference_casts_weights_anew_into_a_kept_buffer(debug_config, monkeypatch):
-    """Without grad under bf16 autocast the oneDNN branch casts each float32 weight into a buffer kept per
-    thread, shape and dtype (one allocation, not one per call): the output equals the freshly cast one bit
-    for bit, every call casts anew (a weight changed in place, even through `.data`, is seen at once), and
-    another thread gets its own buffer."""
+    """Without grad under bf16 autocast forced oneDNN casts each float32 weight into a buffer kept per thread, shape and
+    dtype (one allocation, not one per call): the output equals the freshly cast one bit for bit, every call casts anew
+    (a weight changed in place, even through `.data`, is seen at once), and another thread gets its own buffer."""
     torch.manual_seed(0)
-    layer = mb.BertImplLinear(debug_config(onednn_linear=True), 16, 24)
+    layer = mb.BertImplLinear(debug_config(kernels="onednn_linear"), 16, 24)
     weights = _spy_gemm(monkeypatch, record=lambda a, w: w)  # the weight each GEMM is given
     x = torch.randn(5, 16)
 
@@ -289,16 +353,40 @@ def test_autocast_inference_casts_weights_anew_into_a_kept_buffer(debug_config, 
     assert weights[-2].data_ptr() != weights[-1].data_ptr() == kept.data_ptr()  # the other thread's buffer, then ours
 
 
-@pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
+@needs_onednn
+def test_a_loaded_or_moved_model_takes_the_forced_onednn_branch(debug_config, tmp_path, monkeypatch):
+    """config.kernels is saved with the model; from_pretrained builds on the meta device and then loads weights, .to()
+    moves and casts: the branch follows the weights as they are when called, not as they were when built."""
+    calls = _spy_onednn_linear(monkeypatch)
+    BertImplModel(debug_config(kernels="onednn_linear")).save_pretrained(tmp_path)
+    model = BertImplModel.from_pretrained(tmp_path).eval()
+    assert model.config.kernels == "onednn_linear"
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with torch.no_grad():
+        model(ids)
+        assert len(calls) > 0
+        del calls[:]
+        model.to(torch.float16)(ids)
+        assert calls == []
+        if K._onednn_runs(torch.bfloat16):
+            model.to(torch.bfloat16)(ids)
+            assert len(calls) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Point "decoder": the MLM decoder's backward skips positions without a label
+
+
+@pytest.mark.parametrize("setting", ["onednn_linear,skip_zero_rows", "skip_zero_rows"], ids=["onednn", "blas"])
 @pytest.mark.parametrize("labelled,skipped", [(0.15, True), (0.8, False)], ids=["15%-rows", "80%-rows"])
 def test_the_decoder_backward_skips_rows_with_a_zero_gradient(debug_config, monkeypatch, setting, labelled, skipped):
-    """`skip_zero_rows` (the MLM decoder): a row of dy that is all zero adds nothing to dx, dW or db, so
-    the backward runs on the other rows when at most half are left and on every row otherwise; on
-    either GEMM library every gradient equals nn.Linear's (float32, 1e-5). Without grad, or for the
-    other linear layers, nothing changes."""
-    if setting and mb._ONEDNN_LINEAR is None:
+    """"skip_zero_rows" forced (the MLM decoder): a row of dy that is all zero adds nothing to dx, dW or db, so the
+    backward runs on the other rows when at most half are left and on every row otherwise; on either GEMM library every
+    gradient equals nn.Linear's (float32, 1e-5). Without grad, or for the other linear layers, nothing changes."""
+    onednn = "onednn_linear" in setting
+    if onednn and K._onednn_op() is None:
         pytest.skip("this torch build has no oneDNN linear")
-    config = debug_config(onednn_linear=setting)
+    config = debug_config(kernels=setting)
     torch.manual_seed(0)
     layer = mb.BertImplLinear(config, 16, 90, skip_zero_rows=True)
     ref = torch.nn.Linear(16, 90)
@@ -321,20 +409,20 @@ def test_the_decoder_backward_skips_rows_with_a_zero_gradient(debug_config, monk
     gemm_rows.clear()
     with torch.no_grad():
         layer(x)
-    assert gemm_rows == ([91] if setting else [])  # no grad: the forward alone (blas: nn.Linear's own op)
+    assert gemm_rows == ([91] if onednn else [])  # no grad: the forward alone (blas: nn.Linear's own op)
     gemm_rows.clear()
     mb.BertImplLinear(config, 16, 90)(x).backward(g)  # not the decoder: every row (forward, dx, dWᵀ's 90 rows)
-    assert gemm_rows == ([91, 91, 90] if setting else [])
+    assert gemm_rows == ([91, 91, 90] if onednn else [])
 
 
-@pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
+@pytest.mark.parametrize("setting", ["onednn_linear,skip_zero_rows", "skip_zero_rows"], ids=["onednn", "blas"])
 def test_the_decoder_backward_skips_zero_rows_in_bfloat16(debug_config, monkeypatch, setting):
     """bf16 weights: the skipping backward's output and gradients each within 3x nn.Linear's own bf16
     error against a float32 copy (the project's bf16 rule), and the dx GEMM ran on the nonzero rows."""
-    if setting and torch.bfloat16 not in mb._ONEDNN_DTYPES:
-        pytest.skip("no bfloat16 oneDNN linear on this CPU / build")
+    if "onednn_linear" in setting and not K._onednn_runs(torch.bfloat16):
+        pytest.skip("oneDNN's linear has no bfloat16 kernel on this CPU / build")
     torch.manual_seed(0)
-    layer = mb.BertImplLinear(debug_config(onednn_linear=setting), 64, 600, skip_zero_rows=True)
+    layer = mb.BertImplLinear(debug_config(kernels=setting), 64, 600, skip_zero_rows=True)
     rows = torch.rand(9, 5, generator=torch.Generator().manual_seed(5)) < 0.2  # (9, 5)
     x32, g32 = torch.randn(9, 5, 64), torch.randn(9, 5, 600) * rows.unsqueeze(-1)
     gemm_rows = _spy_gemm(monkeypatch)
@@ -342,30 +430,34 @@ def test_the_decoder_backward_skips_zero_rows_in_bfloat16(debug_config, monkeypa
     assert gemm_rows[:2] == [45, int(rows.sum())]
 
 
-@pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
-def test_torch_func_grad_runs_through_the_written_out_backward(debug_config, batch, setting):
-    """torch.func.grad (functorch) over the MLM loss gives autograd's gradients on either GEMM library:
-    `_LinearFunction` keeps its context in `setup_context`, as functorch transforms require."""
+@pytest.mark.parametrize("setting", ["onednn_linear", "skip_zero_rows"])
+def test_torch_func_grad_runs_through_the_written_out_backward(debug_config, batch, setting, monkeypatch):
+    """torch.func.grad (functorch) over the MLM loss gives autograd's gradients through `_LinearFunction` (oneDNN's
+    GEMMs; the decoder's row skipping): it keeps its context in `setup_context`, as functorch transforms require."""
+    if setting == "onednn_linear" and K._onednn_op() is None:
+        pytest.skip("this torch build has no oneDNN linear")
     from torch.func import functional_call, grad
 
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config(onednn_linear=setting)).train()
+    model = BertImplForMaskedLM(debug_config(kernels=setting)).train()
     input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
     inputs = dict(attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
     params = {name: p.detach() for name, p in model.named_parameters()}
+    calls = _spy_linear_function(monkeypatch)
     grads = grad(lambda p: functional_call(model, p, (input_ids,), inputs).loss)(params)
+    assert calls and all(c == (setting == "onednn_linear", setting == "skip_zero_rows") for c in calls), calls
     model(input_ids, **inputs).loss.backward()
     for name, p in model.named_parameters():
         assert (grads[name] - p.grad).abs().max().item() <= ATOL, name
 
 
-@pytest.mark.parametrize("setting", [True, False], ids=["onednn", "blas"])
+@pytest.mark.parametrize("setting", ["auto", "reference", "skip_zero_rows", "onednn_linear,skip_zero_rows"])
 def test_default_config_mlm_step_matches_transformers(debug_config, batch, setting, monkeypatch):
-    """The oracle for the training step with full logits (the default config): transformers'
-    BertForMaskedLM with the same weights, on a padded batch with 30% of the real tokens labelled.
-    The loss, the logits and every gradient within 1e-5, with the cross-entropy on the labelled rows
-    only and the decoder's backward on those rows only (the others' gradient is zero)."""
-    if setting and mb._ONEDNN_LINEAR is None:
+    """The oracle for the training step with full logits (sparse_prediction off): transformers' BertForMaskedLM with the
+    same weights, on a padded batch with 30% of the real tokens labelled. The loss, the logits and every gradient within
+    1e-5 whatever runs ("auto": whatever it picks here), the cross-entropy on the labelled rows only, and with
+    skip_zero_rows forced the decoder's backward on those rows only (the others' gradient is zero)."""
+    if "onednn_linear" in setting and K._onednn_op() is None:
         pytest.skip("this torch build has no oneDNN linear")
     from transformers import BertForMaskedLM
 
@@ -374,7 +466,7 @@ def test_default_config_mlm_step_matches_transformers(debug_config, batch, setti
     torch.manual_seed(0)
     hf = BertForMaskedLM(hf_config("BertForMaskedLM", attn_implementation="sdpa"))
     ours = from_hf_bert(hf, BertImplForMaskedLM)
-    ours.config.onednn_linear = setting
+    ours.config.kernels = setting
     assert not ours.config.sparse_prediction
     input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
     rows, ce, cross_entropy = _spy_gemm(monkeypatch), [], F.cross_entropy
@@ -387,7 +479,10 @@ def test_default_config_mlm_step_matches_transformers(debug_config, batch, setti
     want.loss.backward()
     n = int(labels.ne(-100).sum())
     assert ce == [n] and n < input_ids.numel() // 2
-    assert n in rows  # the decoder's dx = dy W ran on the labelled rows
+    if "skip_zero_rows" in setting:
+        assert n in rows  # the decoder's dx = dy W ran on the labelled rows
+    elif setting == "reference":
+        assert rows == []  # nn.Linear everywhere
     real = attention_mask.bool()
     assert abs(got.loss.item() - want.loss.item()) <= ATOL
     assert (got.logits - want.logits)[real].abs().max().item() <= ATOL
@@ -396,178 +491,101 @@ def test_default_config_mlm_step_matches_transformers(debug_config, batch, setti
         assert (p.grad - hf_grads[name]).abs().max().item() <= ATOL, name
 
 
-@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
-def test_linear_kernel_is_chosen_by_cpu_vendor_and_dtype_and_forceable(vendor, monkeypatch):
-    """"auto": in float32 oneDNN on AMD (MKL's fp32 GEMM is slow there), torch's BLAS on Intel (the
-    oneDNN linear loses to MKL there, most in the backward); in bfloat16 oneDNN on both (bias fused,
-    where addmm copies it first); torch's BLAS on any CPU not measured and in float16; True / False
-    force it, within the dtypes where oneDNN's op reproduces F.linear."""
-    monkeypatch.setattr(mb, "_CPU_VENDOR", vendor)
-    monkeypatch.setattr(mb, "_ONEDNN_DTYPES", (torch.float32, torch.bfloat16))  # as on a CPU with bf16 on oneDNN
-    fp32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
-    assert mb.linear_kernel("auto") == mb.linear_kernel("auto", fp32) == ("onednn" if vendor == "AuthenticAMD" else "blas")
-    assert mb.linear_kernel("auto", bf16) == ("onednn" if vendor else "blas")
-    assert [mb.linear_kernel(True, dt) for dt in (fp32, bf16, fp16)] == ["onednn", "onednn", "blas"]
-    assert {mb.linear_kernel(False, dt) for dt in (fp32, bf16)} == {"blas"}
-    assert mb.linear_kernel("auto", fp16) == "blas"
-    monkeypatch.setattr(mb, "_ONEDNN_DTYPES", (torch.float32,))  # oneDNN's bf16 op does not reproduce F.linear
-    assert {mb.linear_kernel(s, bf16) for s in ("auto", True)} == {"blas"}
-    monkeypatch.setattr(mb, "_ONEDNN_DTYPES", ())  # a torch build without the op: always the BLAS
-    assert {mb.linear_kernel(s, dt) for s in ("auto", True, False) for dt in (fp32, bf16)} == {"blas"}
-
-
-def test_cpu_vendor_is_read_once_at_import(monkeypatch):
-    assert mb._CPU_VENDOR == mb._cpu_vendor()
-    monkeypatch.setattr("builtins.open", lambda *a, **k: pytest.fail("the CPU vendor was read again"))
-    for setting in ("auto", True, False):
-        mb.linear_kernel(setting)
-
-
-def test_onednn_linear_setting_is_validated(debug_config):
-    assert debug_config().onednn_linear == "auto"
-    for bad in ("yes", 1, "onednn"):
-        with pytest.raises(ValueError, match=f"onednn_linear must be 'auto', True or False, got {bad!r}"):
-            debug_config(onednn_linear=bad)
-
-
-@needs_onednn
-def test_a_loaded_or_moved_model_takes_the_onednn_branch(debug_config, tmp_path, monkeypatch):
-    """from_pretrained builds on the meta device and then loads weights; .to() moves and casts: the
-    branch follows the weights as they are when called, not as they were when built."""
-    calls = _spy_onednn_linear(monkeypatch)
-    BertImplModel(debug_config(onednn_linear=True)).save_pretrained(tmp_path)
-    model = BertImplModel.from_pretrained(tmp_path).eval()
-    ids = torch.ones(1, 4, dtype=torch.long)
-    with torch.no_grad():
-        model(ids)
-        assert len(calls) > 0
-        del calls[:]
-        model.to(torch.float16)(ids)
-        assert calls == []
-        model.to(torch.bfloat16)(ids)
-        assert bool(calls) == (torch.bfloat16 in mb._ONEDNN_DTYPES)
-
-
-@pytest.mark.skipif(torch.bfloat16 not in mb._ONEDNN_DTYPES, reason="no bfloat16 oneDNN linear on this CPU / build")
-def test_auto_on_intel_takes_onednn_in_bfloat16_and_blas_in_float32(debug_config, batch, monkeypatch):
-    """On Intel "auto" keeps torch's BLAS for float32 GEMMs and takes oneDNN for bfloat16 ones, with bf16
-    weights and under bf16 autocast (float32 weights): every linear layer's call, and the outputs are
-    those of the forced oneDNN branch (whose bf16 numerics the tests above check against nn.Linear)."""
-    monkeypatch.setattr(mb, "_CPU_VENDOR", "GenuineIntel")
+@pytest.mark.parametrize("setting", ["auto", *K.KERNELS, ",".join(K.KERNELS)])
+def test_every_kernel_forced_gives_the_reference_outputs_and_gradients(debug_config, batch, setting):
+    """Each kernel forced alone, all of them together, and "auto" (whatever it picks), against the plain model on a
+    padded MLM training step (dropout off): logits at every position (both zero the padding), loss and every gradient
+    within 1e-5; and the inference logits."""
+    if ("onednn_linear" in setting or "fused_activation" in setting) and K._onednn_op() is None:
+        pytest.skip("this torch build has no oneDNN linear")
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config()).eval()
-    forced = copy.deepcopy(model)
-    forced.config.onednn_linear = True
-    calls = _spy_onednn_linear(monkeypatch, record=lambda x: x.dtype)
-    input_ids, attention_mask, token_type_ids, _ = _mlm_batch(batch)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-    linear_layers = 4 * model.config.num_hidden_layers + 2  # Wqkv, Wo, Wi, Wo per layer; the head's dense and decoder
-    with torch.no_grad():
-        model(**inputs)
-        assert calls == []
-        for cast in ("autocast", "weights"):
-            if cast == "weights":
-                model, forced = model.bfloat16(), forced.bfloat16()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast == "autocast"):
-                calls.clear()
-                got = model(**inputs).logits
-                assert calls == [torch.bfloat16] * linear_layers, cast
-                assert torch.equal(got, forced(**inputs).logits), cast
-
-
-@needs_onednn
-@pytest.mark.parametrize("vendor,setting", [("AuthenticAMD", "auto"), ("GenuineIntel", "auto"), ("GenuineIntel", True),
-                                            ("AuthenticAMD", False)])
-def test_every_linear_kernel_branch_gives_the_same_outputs_and_gradients(debug_config, batch, vendor, setting, monkeypatch):
-    """Each branch forced (CPU vendor x setting) against torch's BLAS path: logits, loss and every
-    gradient within 1e-5, and the branch taken is the one `linear_kernel` names."""
-    monkeypatch.setattr(mb, "_CPU_VENDOR", vendor)
-    torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config()).train()
-    blas = copy.deepcopy(model)
-    model.config.onednn_linear = setting
-    blas.config.onednn_linear = False
-    calls = _spy_onednn_linear(monkeypatch)
+    model = BertImplForMaskedLM(debug_config(kernels=setting)).train()
+    plain = _plain(model)
     input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
-    ref = blas(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
-    assert calls == []
-    out = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
-    assert bool(calls) == (mb.linear_kernel(setting) == "onednn")
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels)
+    out, ref = model(**inputs), plain(**inputs)
     assert (out.logits - ref.logits).abs().max().item() <= ATOL
     assert abs(out.loss.item() - ref.loss.item()) <= ATOL
     out.loss.backward()
     ref.loss.backward()
-    for (name, p), q in zip(model.named_parameters(), blas.parameters()):
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= ATOL, name
+    with torch.no_grad():
+        got, want = model.eval()(**inputs).logits, plain.eval()(**inputs).logits
+    assert (got - want).abs().max().item() <= ATOL
 
 
 # ---------------------------------------------------------------------------------------------
-# Dropout masks on the CPU (`_dropout`: 32 random bits per element where torch draws them serially)
-
-
-@pytest.fixture
-def fast_dropout(monkeypatch):
-    """`_dropout`'s own mask on any CPU (on Intel with MKL it defers to F.dropout)."""
-    monkeypatch.setattr(mb, "_SERIAL_BERNOULLI", True)
+# Point "dropout": masks from 32 random bits per element
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_cpu_dropout_keeps_each_element_with_probability_1_minus_p(p, fast_dropout):
+def test_bits_dropout_keeps_each_element_with_probability_1_minus_p(p):
     """Bernoulli(1 - p) masks, kept values scaled by 1/(1 - p) exactly as a float32 product: over 2M elements the dropped
     fraction, and the fraction of adjacent pairs (the two halves of one 64-bit draw) both dropped, are within 5 binomial
     standard deviations of p and p²."""
     n = 2_000_000
     x = torch.randn(n)
-    y = mb._dropout(x, p, True)
+    y = K.bits_dropout(x, p)
     dropped = y == 0
     assert abs(dropped.double().mean().item() - p) <= 5 * (p * (1 - p) / n) ** 0.5
     both = (dropped[0::2] & dropped[1::2]).double().mean().item()
     assert abs(both - p * p) <= 5 * (p * p * (1 - p * p) / (n // 2)) ** 0.5
     assert torch.equal(y[~dropped], x[~dropped] * (1 / (1 - p)))
     xb = x[:1000].bfloat16()  # bf16: the product rounded once, from float32
-    yb = mb._dropout(xb, p, True)
+    yb = K.bits_dropout(xb, p)
     assert torch.equal(yb[yb != 0], (xb.float() * (1 / (1 - p))).bfloat16()[yb != 0])
 
 
-def test_cpu_dropout_gradient_seed_and_identity_cases(fast_dropout):
-    """The gradient is the kept mask times 1/(1 - p); torch's generator (manual_seed) decides the mask; eval, p = 0,
-    and (on Intel with MKL, `_SERIAL_BERNOULLI` False) every case are F.dropout's, bit for bit."""
+def test_bits_dropout_gradient_seed_and_identity_cases(debug_config):
+    """Forced through the model's dropout (`_dropout`): the gradient is the kept mask times 1/(1 - p); torch's generator
+    (manual_seed) decides the mask; eval and p = 0 give the input itself; "reference" is F.dropout bit for bit."""
+    config = debug_config(kernels="bits_dropout")
     x = torch.randn(4, 5, 6, requires_grad=True)
     g = torch.randn(4, 5, 6)
     torch.manual_seed(3)
-    y = mb._dropout(x, 0.25, True)
+    y = mb._dropout(config, x, 0.25, True)
     y.backward(g)
     assert torch.equal(x.grad, torch.where(y != 0, g * (1 / 0.75), 0.0))
     torch.manual_seed(3)
-    assert torch.equal(mb._dropout(x, 0.25, True), y) and not torch.equal(mb._dropout(x, 0.25, True), y)
-    assert mb._dropout(x, 0.25, False) is x and mb._dropout(x, 0.0, True).equal(x)
-    mb._SERIAL_BERNOULLI = False  # restored by the fixture's monkeypatch
+    assert torch.equal(mb._dropout(config, x, 0.25, True), y) and not torch.equal(mb._dropout(config, x, 0.25, True), y)
+    torch.manual_seed(3)
+    assert torch.equal(K.bits_dropout(x, 0.25), y)  # the kernel itself, nothing else drawn
+    assert mb._dropout(config, x, 0.25, False) is x and mb._dropout(config, x, 0.0, True) is x
     torch.manual_seed(3)
     theirs = F.dropout(x, 0.25, True)
     torch.manual_seed(3)
-    assert torch.equal(mb._dropout(x, 0.25, True), theirs)
+    assert torch.equal(mb._dropout(debug_config(kernels="reference"), x, 0.25, True), theirs)
+    assert not torch.equal(theirs, y)  # the two kernels draw different masks from the same seed
+    torch.manual_seed(3)
+    assert torch.equal(mb._dropout(None, x, 0.25, True), theirs)  # a module without a config: the reference
 
 
-def test_own_masks_only_in_plain_eager_cpu_training(fast_dropout, monkeypatch):
-    """`_own_mask` (which decides both the mask `_dropout` draws and the attention route): training, 0 < p < 1, a plain CPU
-    tensor, not while torch.compile traces (there F.dropout and SDPA, as inductor expects)."""
+def test_bits_dropout_only_in_plain_eager_cpu_training(monkeypatch):
+    """`dropout_choice` (which decides both the mask and the attention route): forced bits only in training, 0 < p < 1,
+    on a plain CPU tensor, not while torch.compile traces (there F.dropout and SDPA, as inductor expects); "auto" answers
+    one of the two, whichever it measured."""
+    forced = frozenset({"bits_dropout"})
     x = torch.randn(3)
-    assert mb._own_mask(x, 0.1, True)
-    assert not any([mb._own_mask(x, 0.1, False), mb._own_mask(x, 0.0, True), mb._own_mask(x.to("meta"), 0.1, True),
-                    mb._own_mask(torch.nn.Parameter(x), 0.1, True)])
+    assert K.dropout_choice(forced, x, 0.1, True) == "bits_dropout"
+    assert K.dropout_choice("auto", x, 0.1, True) in ("bits_dropout", "reference")
+    assert {K.dropout_choice(forced, x, 0.1, False), K.dropout_choice(forced, x, 0.0, True),
+            K.dropout_choice(forced, x.to("meta"), 0.1, True), K.dropout_choice("reference", x, 0.1, True),
+            K.dropout_choice("onednn_linear", x, 0.1, True)} == {"reference"}
+    assert K.dropout_kernel(forced, x, 0.1, False) is None and K.dropout_kernel(forced, x, 0.1, True) is not None
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not mb._own_mask(x, 0.1, True)
+    assert K.dropout_choice(forced, x, 0.1, True) == "reference"
 
 
-@pytest.mark.parametrize("serial", [True, False])
-def test_training_attention_with_dropout_runs_eager_where_cpu_masks_are_serial(debug_config, batch, serial, monkeypatch):
-    """Training with attention dropout on the CPU: where torch's masks are serial, attention runs the eager formula with
-    `_dropout` (SDPA would run the same formula with F.dropout), and no module draws a mask with bernoulli_; on Intel with
-    MKL SDPA as configured. Either way the probabilities are dropped: the same seed repeats a step, another changes it."""
-    monkeypatch.setattr(mb, "_SERIAL_BERNOULLI", serial)
-    impls = _spy_attention_impls(monkeypatch)
+@pytest.mark.parametrize("setting,eager", [("bits_dropout", True), ("unpadded,bits_dropout", True), ("reference", False)])
+def test_training_attention_with_bits_dropout_runs_eager(debug_config, batch, setting, eager, monkeypatch):
+    """Training with attention dropout: with bits_dropout forced attention runs the eager formula with its masks (SDPA's
+    CPU kernels draw their own) and no module draws a mask with bernoulli_, padded or unpadded; the reference runs SDPA
+    with F.dropout. Either way the probabilities are dropped: the same seed repeats a step, another changes it."""
+    calls = _spy_eager_attention(monkeypatch)
     torch.manual_seed(0)
-    model = BertImplModel(debug_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)).train()
+    model = BertImplModel(debug_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, kernels=setting)).train()
+    assert model.config._attn_implementation == "sdpa"
     assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {mb.BertImplDropout}
     input_ids, attention_mask, _ = batch
     outs = []
@@ -575,42 +593,64 @@ def test_training_attention_with_dropout_runs_eager_where_cpu_masks_are_serial(d
         torch.manual_seed(seed)
         with torch.profiler.profile() as prof:
             outs.append(model(input_ids, attention_mask=attention_mask).last_hidden_state)
-    assert set(impls) == {"eager" if serial else "sdpa"}
-    assert any(e.key == "aten::bernoulli_" for e in prof.key_averages()) != serial
+    assert bool(calls) == eager
+    assert any(e.key == "aten::bernoulli_" for e in prof.key_averages()) != eager
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
-    impls.clear()
-    model.eval()(input_ids, attention_mask=attention_mask)
-    assert set(impls) == {"sdpa"}
+    calls.clear()
+    with torch.no_grad():
+        model.eval()(input_ids, attention_mask=attention_mask)
+    assert calls == []
 
 
-def test_eager_training_attention_drops_the_probabilities(debug_config, fast_dropout):
-    """One attention block in training: its output equals softmax(QKᵀ/√d) with `_dropout`'s mask (same seed), times V,
-    then W^O, to 1e-6."""
+def test_eager_training_attention_drops_the_probabilities(debug_config):
+    """One attention block in training with bits_dropout forced: its output equals softmax(QKᵀ/√d) with bits_dropout's
+    mask (same seed), times V, then W^O, to 1e-6."""
     torch.manual_seed(0)
-    config = debug_config(attention_probs_dropout_prob=0.3)
+    config = debug_config(attention_probs_dropout_prob=0.3, kernels="bits_dropout")
     attn = mb.BertImplSelfAttention(config).train()
     x = torch.randn(1, 6, config.hidden_size)
-    tokens = mb.TokenMap((1, 6), (1, 6))
     torch.manual_seed(5)
-    out, _ = attn(x, tokens)
+    out, _ = attn(x)
     q, k, v = attn.Wqkv(x).view(1, 6, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (b, h, s, d) each
     torch.manual_seed(5)
-    probs = mb._dropout(torch.softmax(q @ k.transpose(-2, -1) * attn.scaling, -1), 0.3, True)
+    probs = K.bits_dropout(torch.softmax(q @ k.transpose(-2, -1) * attn.scaling, -1), 0.3)
     ref = attn.Wo((probs @ v).transpose(1, 2).reshape(1, 6, -1))
     assert (out - ref).abs().max().item() <= 1e-6
     assert (probs == 0).any()  # some probabilities were dropped: the check sees the mask
 
 
+@pytest.mark.parametrize("setting", ["bits_dropout", "unpadded,bits_dropout", "reference"])
+def test_gradient_checkpointing_redraws_the_same_dropout_masks(debug_config, batch, setting):
+    """Gradient checkpointing runs each layer's forward again in the backward: with dropout on, the recomputation
+    must draw the masks of the first forward (torch's checkpoint restores the generator), so the loss and every
+    gradient equal those of the same seeded step without checkpointing (1e-5)."""
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(debug_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                                             kernels=setting)).train()
+    twin = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    input_ids, attention_mask, _, labels = _mlm_batch(batch)
+    losses = []
+    for m in (model, twin):
+        torch.manual_seed(11)
+        loss = m(input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= ATOL
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= ATOL, name
+
+
 # ---------------------------------------------------------------------------------------------
-# Input checks without a host sync on accelerators
+# Input checks without a host sync on accelerators (BertImplConfig.check_inputs)
 
 
 def _record_device_asserts(monkeypatch):
     """Value checks as if the tensors were on an accelerator: reading a value on the host fails the
     test, and each asynchronous assert is recorded as (condition, message)."""
     asserts = []
-    monkeypatch.setattr(mb, "_values_on_host", lambda t: False)
-    monkeypatch.setattr(mb, "_device_assert", lambda cond, msg: asserts.append((cond, msg)))
+    monkeypatch.setattr(cb, "_values_on_host", lambda t: False)
+    monkeypatch.setattr(cb, "_device_assert", lambda cond, msg: asserts.append((cond, msg)))
     for name in ("item", "tolist", "__int__", "__bool__", "__index__", "unique"):
         monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
     return asserts
@@ -621,7 +661,7 @@ def _record_device_asserts(monkeypatch):
     ("mask_value", "attention_mask"), ("position_negative", "position_ids"), ("position_too_long", "learned positions"),
 ])
 def test_input_checks_on_accelerators_use_async_asserts(debug_config, batch, case, field, monkeypatch):
-    model = BertImplModel(debug_config(position_embedding_type="learned", max_position_embeddings=16))
+    config = debug_config(position_embedding_type="learned", max_position_embeddings=16)
     input_ids, attention_mask, token_type_ids = (t.clone() for t in batch)
     position_ids = torch.arange(input_ids.size(1)).expand_as(input_ids).clone()
     if case == "id_too_large":
@@ -637,7 +677,7 @@ def test_input_checks_on_accelerators_use_async_asserts(debug_config, batch, cas
     elif case == "position_too_long":
         position_ids[0, -1] = 16
     asserts = _record_device_asserts(monkeypatch)
-    model._check_model_inputs(input_ids, attention_mask, token_type_ids, position_ids, None)
+    assert config.check_inputs(input_ids, attention_mask, token_type_ids, position_ids, None) == (13, 7)
     monkeypatch.undo()  # the recorded conditions may be read now
     assert len(asserts) == 5  # input_ids, token_type_ids, attention_mask, position_ids >= 0, < max positions
     failed = [msg for cond, msg in asserts if not bool(cond)]
@@ -648,17 +688,17 @@ def test_input_checks_on_accelerators_use_async_asserts(debug_config, batch, cas
 def test_input_checks_on_a_non_cpu_device_do_not_read_values(debug_config, monkeypatch):
     """Meta tensors (no values at all, like a device the host cannot read without a sync): the checks
     pass through as device asserts instead of calling int() / .unique()."""
-    model = BertImplModel(debug_config())
+    config = debug_config()
     recorded = []
-    monkeypatch.setattr(mb, "_device_assert", lambda cond, msg: recorded.append(cond.device.type))
+    monkeypatch.setattr(cb, "_device_assert", lambda cond, msg: recorded.append(cond.device.type))
     ids = torch.ones(2, 5, dtype=torch.long, device="meta")
-    model._check_model_inputs(ids, torch.ones(2, 5, dtype=torch.long, device="meta"), ids, None, None)
+    config.check_inputs(ids, torch.ones(2, 5, dtype=torch.long, device="meta"), ids, None, None)
     assert recorded == ["meta", "meta", "meta"]
 
 
 class _HostReads(TorchDispatchMode):
     """Records every op of a forward that makes the host wait for an accelerator: reading a value
-    (int(), bool(), .item() -> _local_scalar_dense; .tolist(), counted by `count_host_reads`) and ops
+    (int(), bool(), .item() -> _local_scalar_dense; .tolist(), counted by `_count_host_reads`) and ops
     whose output size depends on the values (nonzero, unique, masked_select, repeat_interleave without
     output_size). nonzero_static and repeat_interleave with output_size are not syncs."""
 
@@ -667,25 +707,40 @@ class _HostReads(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.reads = []
+        self.reads, self.paused = [], False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func)
-        if (name == "aten._local_scalar_dense.default" or name in self.SIZE_FROM_VALUES
-                or name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None):
+        if not self.paused and (name == "aten._local_scalar_dense.default" or name in self.SIZE_FROM_VALUES
+                                or name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None):
             self.reads.append(name)
         return func(*args, **kwargs)
 
 
 def _count_host_reads(model, monkeypatch, **inputs) -> list[str]:
-    """The host reads of one forward of `model`, ours taking its accelerator branch (no value read by
-    the input checks: `_values_on_host` is False, the device asserts are recorded, not run)."""
-    monkeypatch.setattr(mb, "_values_on_host", lambda t: False)
-    monkeypatch.setattr(mb, "_device_assert", lambda cond, msg: None)
+    """The host reads of one forward of `model`, ours taking its accelerator branch (no value read by the input checks:
+    `_values_on_host` is False, the device asserts are recorded, not run). The embeddings decide by the position ids'
+    device, which is the CPU here: their reads are not counted (on another device they read nothing, tested below)."""
+    monkeypatch.setattr(cb, "_values_on_host", lambda t: False)
+    monkeypatch.setattr(cb, "_device_assert", lambda cond, msg: None)
     mode = _HostReads()
-    tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: mode.reads.append("Tensor.tolist") or tolist(t))
+    tolist, embeddings = torch.Tensor.tolist, mb.BertImplEmbeddings.forward
+
+    def unrecorded_embeddings(*args, **kwargs):
+        mode.paused = True
+        try:
+            return embeddings(*args, **kwargs)
+        finally:
+            mode.paused = False
+
+    def counted_tolist(t):
+        if not mode.paused:
+            mode.reads.append("Tensor.tolist")
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    monkeypatch.setattr(mb.BertImplEmbeddings, "forward", unrecorded_embeddings)
     with torch.no_grad(), mode:
         model(**inputs)
     monkeypatch.undo()
@@ -693,83 +748,104 @@ def _count_host_reads(model, monkeypatch, **inputs) -> list[str]:
 
 
 @pytest.mark.parametrize("position_type", ["sinusoidal", "learned"])
-@pytest.mark.parametrize("unpad", [True, False])
-def test_a_forward_waits_for_the_device_no_more_often_than_transformers(debug_config, batch, position_type, unpad, monkeypatch):
-    """Host syncs per forward on an accelerator, counted op by op: without a mask none (transformers:
-    none), with a mask one (transformers: one, its all-ones check), whatever the padding and however
-    many layers: the mask is read on the host once, every size of the unpadded layout follows from it."""
+@pytest.mark.parametrize("setting,mask_kind", [
+    ("reference", "no mask"), ("reference", "all ones"), ("reference", "padded"), ("unpadded", "no mask"),
+    ("unpadded", "all ones"), ("unpadded", "padded"),
+])
+def test_a_forward_waits_for_the_device_no_more_often_than_transformers(debug_config, batch, position_type, setting,
+                                                                         mask_kind, monkeypatch):
+    """Host syncs per forward on an accelerator, counted op by op (kernels forced: "auto"'s first call measures): without
+    a mask none (transformers: none), with a mask one (transformers: one, its all-ones check), whatever the padding and
+    however many layers: the mask is read on the host once, every size of the unpadded layout follows from it."""
     from transformers import BertConfig, BertModel
 
     input_ids, attention_mask, token_type_ids = batch
-    masks = {"no mask": None, "all ones": torch.ones_like(attention_mask), "padded": attention_mask}
+    mask = {"no mask": None, "all ones": torch.ones_like(attention_mask), "padded": attention_mask}[mask_kind]
+    inputs = dict(input_ids=input_ids, token_type_ids=token_type_ids, **({} if mask is None else {"attention_mask": mask}))
     counts = {}
     for layers in (1, 3):
-        ours = BertImplModel(debug_config(num_hidden_layers=layers, position_embedding_type=position_type, unpad_inputs=unpad)).eval()
+        ours = BertImplModel(debug_config(num_hidden_layers=layers, position_embedding_type=position_type, kernels=setting)).eval()
         c = ours.config
         hf = BertModel(BertConfig(vocab_size=VOCAB, hidden_size=c.hidden_size, num_hidden_layers=layers, intermediate_size=c.intermediate_size,
                                   num_attention_heads=c.num_attention_heads, attn_implementation="sdpa")).eval()
-        for name, mask in masks.items():
-            inputs = dict(input_ids=input_ids, token_type_ids=token_type_ids, **({} if mask is None else {"attention_mask": mask}))
-            counts[layers, name] = (_count_host_reads(ours, monkeypatch, **inputs), _count_host_reads(hf, monkeypatch, **inputs))
-    for (layers, name), (got, theirs) in counts.items():
-        assert len(got) <= len(theirs), (layers, name, got, theirs)
-        assert len(got) == (0 if name == "no mask" else 1), (layers, name, got)
-        assert got == counts[1, name][0]  # none per layer
-    assert counts[1, "padded"][0] == ["Tensor.tolist"]
+        counts[layers] = (_count_host_reads(ours, monkeypatch, **inputs), _count_host_reads(hf, monkeypatch, **inputs))
+    for layers, (got, theirs) in counts.items():
+        assert len(got) <= len(theirs), (layers, got, theirs)
+        assert len(got) == (0 if mask is None else 1), (layers, got)
+        assert got == counts[1][0]  # none per layer
+    if setting == "unpadded" and mask is not None:
+        assert counts[1][0] == ["Tensor.tolist"]  # the lengths, read once; an all-ones mask is not read again
 
 
 def test_sinusoidal_positions_without_reading_them_come_from_the_formula(debug_config, monkeypatch):
-    """Where reading the largest position id would be a host sync (an accelerator), the encoding is
-    computed at each given position on the device instead of looked up: the same rows as the stored
-    table (float32, 1e-6), past its end too; positions the model builds itself (0 .. s-1) are looked up."""
+    """Given position ids are looked up in the stored table where their largest value can be read for free (the CPU)
+    and is inside it; past its end, and on any other device (where reading it would be a host sync), the encoding is
+    computed at each position from the formula: the same rows as a float64 evaluation (float32, 1e-6), without reading
+    a value. Positions the model builds itself (0 .. s-1) are looked up."""
     model = BertImplModel(debug_config(max_position_embeddings=16)).eval()
     H = model.config.hidden_size
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    position_ids = torch.stack([torch.arange(12), torch.arange(15, 3, -1)])  # (2, 12), all inside the 16 rows
     calls = []
     formula = mb._sinusoid
-    monkeypatch.setattr(mb, "_sinusoid", lambda pos, dim: calls.append(tuple(pos.shape)) or formula(pos, dim))
+    monkeypatch.setattr(mb, "_sinusoid", lambda pos, dim: calls.append((tuple(pos.shape), pos.device.type)) or formula(pos, dim))
+    inside = torch.stack([torch.arange(12), torch.arange(15, 3, -1)])  # (2, 12), all inside the 16 rows
+    past = inside + torch.tensor([[0], [30]])  # the second row past the table's end
     with torch.no_grad():
-        looked_up = model.embeddings(ids, position_ids=position_ids)
-        assert calls == []
-        monkeypatch.setattr(mb, "_values_on_host", lambda t: False)
-        computed = model.embeddings(ids, position_ids=position_ids)
-        assert calls == [(2, 12)]
+        looked_up = model.embeddings(ids, position_ids=inside)
         model.embeddings(ids)  # built positions: known to fit, no formula
-        assert calls == [(2, 12)]
-    assert (computed - looked_up).abs().max().item() <= 1e-6
+        assert calls == []
+        computed = model.embeddings(ids, position_ids=past)
+        assert calls == [((2, 12), "cpu")]
+        on_meta = copy.deepcopy(model.embeddings).to("meta")
+        with monkeypatch.context() as guard:
+            for name in ("item", "tolist", "__int__", "__bool__", "__index__"):  # nothing may be read on the host
+                guard.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
+            out = on_meta(ids.to("meta"), position_ids=inside.to("meta"))
+        assert calls[-1] == ((2, 12), "meta") and out.shape == (2, 12, H)
+    table = mb.sinusoidal_position_encoding(64, H)  # float64 evaluation of the formula, as float32
+    assert (computed[0] - looked_up[0]).abs().max().item() <= 1e-6  # the first row is the same positions
+    word = model.embeddings.word_embeddings(ids[1]) * model.config.word_embedding_scale + model.embeddings.token_type_embeddings.weight[0]
+    expected = model.embeddings.LayerNorm(word + table[past[1]])
+    assert (computed[1] - expected).abs().max().item() <= 1e-5
     far = torch.tensor([[0, 15, 16, 100, 511]])
     assert (formula(far, H) - mb.sinusoidal_position_encoding(512, H)[far]).abs().max().item() <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------------
-# Unpadding on padded batches
+# Point "layout": unpadded padded batches
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_unpadded_forward_matches_padded_path(debug_config, batch, backend, monkeypatch, attention_layout):
     torch.manual_seed(0)
-    model = BertImplModel(debug_config(attn_implementation=backend)).eval()
+    model = BertImplModel(debug_config(attn_implementation=backend, kernels=attention_layout)).eval()
     plain = _plain(model)
     input_ids, attention_mask, token_type_ids = batch
     calls = _spy_unpadding(monkeypatch, attention_layout)
     with torch.no_grad():
-        got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, output_hidden_states=True)
+        got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
         assert len(calls) == 1 and calls[0].indices.numel() == int(attention_mask.sum())
-        want = plain(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, output_hidden_states=True)
+        want = plain(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
     assert len(calls) == 1  # the plain model did not unpad
     assert _max_diff_real(got.last_hidden_state, want.last_hidden_state, attention_mask) <= ATOL
+    assert (got.last_hidden_state - want.last_hidden_state).abs().max().item() <= ATOL  # both zero the padding
+    assert got.last_hidden_state[~attention_mask.bool()].abs().max().item() == 0.0
     assert (got.pooler_output - want.pooler_output).abs().max().item() <= ATOL
-    assert len(got.hidden_states) == len(want.hidden_states) == model.config.num_hidden_layers + 1
-    for g, w in zip(got.hidden_states, want.hidden_states):
-        assert _max_diff_real(g, w, attention_mask) <= ATOL
-        assert g[~attention_mask.bool()].abs().max().item() == 0.0  # padding positions hold zeros
-    assert torch.equal(got.hidden_states[-1], got.last_hidden_state)
+
+
+def test_unpadded_alone_attends_per_sequence(debug_config, batch, monkeypatch):
+    """"unpadded" forced without a layout: attention per sequence."""
+    model = BertImplModel(debug_config(kernels="unpadded")).eval()
+    input_ids, attention_mask, _ = batch
+    calls = _spy_unpadding(monkeypatch, "unpadded")
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask)
+    assert len(calls) == 1 and calls[0].seq_lengths == tuple(attention_mask.sum(1).tolist())
 
 
 def test_unpadded_gradients_match_padded_path(debug_config, batch, attention_layout, monkeypatch):
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config()).train()
+    model = BertImplForMaskedLM(debug_config(kernels=attention_layout)).train()
     plain = _plain(model)
     input_ids, attention_mask, token_type_ids = batch
     labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
@@ -783,15 +859,17 @@ def test_unpadded_gradients_match_padded_path(debug_config, batch, attention_lay
         assert (p.grad - q.grad).abs().max().item() <= ATOL, name
 
 
-def test_unpadding_with_gradient_checkpointing(debug_config, batch):
+def test_unpadding_with_gradient_checkpointing(debug_config, batch, monkeypatch):
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config()).train()
+    model = BertImplForMaskedLM(debug_config(kernels="unpadded")).train()
     plain = _plain(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     input_ids, attention_mask, _ = batch
     labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
+    calls = _spy_unpadding(monkeypatch)
     for m in (model, plain):
         m(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+    assert len(calls) == 1
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= ATOL, name
 
@@ -799,7 +877,7 @@ def test_unpadding_with_gradient_checkpointing(debug_config, batch):
 @pytest.mark.parametrize("pattern", ["left", "holes", "one_row_fully_padded"])
 def test_unpadding_any_padding_pattern(debug_config, batch, pattern, monkeypatch, attention_layout):
     torch.manual_seed(0)
-    model = BertImplModel(debug_config()).eval()
+    model = BertImplModel(debug_config(kernels=attention_layout)).eval()
     input_ids, attention_mask, _ = batch
     if pattern == "left":
         attention_mask = attention_mask.flip(1)
@@ -816,6 +894,8 @@ def test_unpadding_any_padding_pattern(debug_config, batch, pattern, monkeypatch
     assert len(calls) == 1
     assert torch.isfinite(got.last_hidden_state).all() and torch.isfinite(got.pooler_output).all()
     assert _max_diff_real(got.last_hidden_state, want.last_hidden_state, attention_mask) <= ATOL
+    if pattern != "one_row_fully_padded":  # a row without tokens: its pooled [CLS] is padding, any finite value
+        assert (got.pooler_output - want.pooler_output).abs().max().item() <= ATOL
 
 
 def test_unpadded_path_matches_transformers_bert(debug_config, batch, attention_layout, monkeypatch):
@@ -827,7 +907,8 @@ def test_unpadded_path_matches_transformers_bert(debug_config, batch, attention_
     torch.manual_seed(0)
     hf = BertModel(hf_config(attn_implementation="sdpa")).eval()
     ours = from_hf_bert(hf, BertImplModel).eval()
-    assert getattr(ours.config, "unpad_inputs", True)
+    assert ours.config.kernels == "auto"
+    ours.config.kernels = attention_layout
     input_ids, attention_mask, token_type_ids = batch
     calls = _spy_unpadding(monkeypatch, attention_layout)
     with torch.no_grad():
@@ -838,16 +919,26 @@ def test_unpadded_path_matches_transformers_bert(debug_config, batch, attention_
     assert (got.pooler_output - want.pooler_output).abs().max().item() <= ATOL
 
 
-def test_unpadding_switched_off_and_skipped_for_attentions(debug_config, batch, monkeypatch):
-    model = BertImplModel(debug_config()).eval()
+def test_unpadding_switched_off_and_skipped_for_recorded_outputs(debug_config, batch, monkeypatch):
+    """No unpadding with "reference", with kernels forced elsewhere, without padding, and while hidden states or
+    attentions are recorded (transformers' hooks see the padded batch; the attentions need eager): those outputs equal
+    the plain model's, padding positions of last_hidden_state hold zeros."""
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config(kernels="unpadded")).eval()
     input_ids, attention_mask, _ = batch
     calls = _spy_unpadding(monkeypatch)
     with torch.no_grad():
-        out = model(input_ids, attention_mask=attention_mask, output_attentions=True)
-        _plain(model)(input_ids, attention_mask=attention_mask)
+        out = model(input_ids, attention_mask=attention_mask, output_attentions=True, output_hidden_states=True)
+        want = _plain(model)(input_ids, attention_mask=attention_mask, output_attentions=True, output_hidden_states=True)
+        _forced(model, "onednn_linear,bits_dropout")(input_ids, attention_mask=attention_mask)
         model(input_ids)  # no padding: nothing to unpad
     assert calls == []
     assert out.attentions[0].shape == (13, 4, 7, 7)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    for g, w in zip(out.hidden_states + out.attentions, want.hidden_states + want.attentions):
+        assert torch.equal(g, w)
+    assert out.last_hidden_state[~attention_mask.bool()].abs().max().item() == 0.0
+    assert _max_diff_real(out.hidden_states[-1], out.last_hidden_state, attention_mask) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -869,7 +960,7 @@ def _packed_features(lengths, seed=0):
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_packed_row_equals_each_sequence_alone(debug_config, backend, flash_kwargs, monkeypatch, attention_layout):
     torch.manual_seed(0)
-    model = BertImplModel(debug_config(attn_implementation=backend)).eval()
+    model = BertImplModel(debug_config(attn_implementation=backend, kernels=attention_layout)).eval()
     lengths = [5, 7, 3, 6]
     feats = _packed_features(lengths)
     packed = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(feats)
@@ -878,14 +969,19 @@ def test_packed_row_equals_each_sequence_alone(debug_config, backend, flash_kwar
     calls = _spy_unpadding(monkeypatch, attention_layout)
     with torch.no_grad():
         got = model(**inputs).last_hidden_state[0]  # (T, H)
-        assert len(calls) == 1 and calls[0].cu_seqlens.diff().tolist() == lengths and calls[0].max_seqlen == 7
+        assert len(calls) == 1 and calls[0].indices is None
+        tokens = calls[0]
+        if attention_layout == "per_sequence_attention":
+            assert tokens.seq_lengths == tuple(lengths)
+        else:
+            assert tokens.grid == (4, 7) and tokens.grid_index.numel() == sum(lengths)
         start = 0
         for n, f in zip(lengths, feats):
             alone = model(torch.tensor([f["input_ids"]])).last_hidden_state[0]
             assert (got[start : start + n] - alone).abs().max().item() <= ATOL, (n, start)
             start += n
-        # The plain path (unpadding off) keeps sequences apart with a block-diagonal mask instead.
-        plain = _plain(model)(**inputs).last_hidden_state[0]
+        # The plain model keeps sequences apart with a block-diagonal mask instead.
+        plain = _plain(model)(**{k: v for k, v in inputs.items() if k in ("input_ids", "position_ids")}).last_hidden_state[0]
     assert (plain - got).abs().max().item() <= ATOL
 
 
@@ -901,8 +997,8 @@ def test_packed_attention_probabilities_never_cross_sequences(debug_config):
 
 def test_packed_and_padded_batches_give_the_same_loss_and_gradients(debug_config, attention_layout, monkeypatch):
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config()).train()
-    twin = copy.deepcopy(model)
+    model = BertImplForMaskedLM(debug_config(kernels=attention_layout)).train()
+    twin = _plain(model)
     feats = _packed_features([5, 7, 3, 6], seed=1)
     packed = DataCollatorWithFlattening()(feats)
     s = max(len(f["input_ids"]) for f in feats)
@@ -914,7 +1010,7 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients(debug_config
     calls = _spy_unpadding(monkeypatch, attention_layout)
     loss_packed = model(**packed).loss
     loss_padded = twin(input_ids, attention_mask=attention_mask, labels=labels).loss
-    assert len(calls) == 2
+    assert len(calls) == 1  # the packed row; the padded batch ran on the plain model
     assert abs(loss_packed.item() - loss_padded.item()) <= ATOL
     loss_packed.backward()
     loss_padded.backward()
@@ -922,22 +1018,22 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients(debug_config
         assert (p.grad - q.grad).abs().max().item() <= ATOL, name
 
 
-def test_trainer_trains_padding_free(debug_config, tmp_path):
-    from datasets import Dataset
+def test_trainer_trains_padding_free(debug_config, tmp_path, monkeypatch):
     from transformers import Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config())
+    model = BertImplForMaskedLM(debug_config(kernels="unpadded"))
     feats = _packed_features([5, 7, 3, 6, 4, 7, 2, 5], seed=2)
     args = TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
     )
     before = model.bert.layers[0].attn.Wqkv.weight.detach().clone()
-    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(feats),
-                      data_collator=DataCollatorWithFlattening())
+    trainer = Trainer(model=model, args=args, train_dataset=ListDataset(feats), data_collator=DataCollatorWithFlattening())
+    calls = _spy_unpadding(monkeypatch, "unpadded")
     result = trainer.train()
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    assert len(calls) == 2 and all(len(t.seq_lengths) == 4 for t in calls)  # each step: one row of 4 sequences
     assert not torch.equal(before, model.bert.layers[0].attn.Wqkv.weight)
 
 
@@ -958,13 +1054,15 @@ def _varlen_reference(module, query, key, value, attention_mask, scaling=None, d
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_flash_style_varlen_route(debug_config, batch, layout):
+def test_flash_style_varlen_route(debug_config, batch, layout, monkeypatch):
+    """A flash-named attention function gets the real tokens and cu_seqlens (unpadded forced), and gives the plain
+    model's outputs."""
     AttentionInterface.register("flash_varlen_reference", _varlen_reference)
     torch.manual_seed(0)
-    model = BertImplModel(debug_config()).eval()
-    varlen = copy.deepcopy(model)
+    model = BertImplModel(debug_config(kernels="reference")).eval()
+    varlen = _forced(model, "unpadded")
     varlen.config._attn_implementation = "flash_varlen_reference"
-    assert mb._is_flash(varlen.config._attn_implementation)
+    calls = _spy_unpadding(monkeypatch)
     with torch.no_grad():
         if layout == "padded":
             input_ids, attention_mask, _ = batch
@@ -977,28 +1075,262 @@ def test_flash_style_varlen_route(debug_config, batch, layout):
             packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(_packed_features([6, 2, 5]))
             inputs = {k: v for k, v in packed.items() if k != "labels"}
             got = varlen(**inputs).last_hidden_state
-            want = model(**inputs).last_hidden_state
+            want = model(**{k: v for k, v in inputs.items() if k in ("input_ids", "position_ids")}).last_hidden_state
             assert (got - want).abs().max().item() <= ATOL
+    assert len(calls) == 1 and set(calls[0].attention_kwargs) == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+
+
+def test_flash_style_varlen_route_in_training_with_bits_dropout(debug_config, batch):
+    """Training on the varlen route with bits_dropout forced and a vanishing attention dropout (1e-7: every
+    probability kept, scaled by 1 + 1e-7) computes what inference computes: attention stays within each sequence."""
+    AttentionInterface.register("flash_varlen_reference", _varlen_reference)
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config(attention_probs_dropout_prob=1e-7, kernels="unpadded,bits_dropout"))
+    model.config._attn_implementation = "flash_varlen_reference"
+    input_ids, attention_mask, _ = batch
+    with torch.no_grad():
+        trained = model.train()(input_ids, attention_mask=attention_mask).last_hidden_state
+        inferred = model.eval()(input_ids, attention_mask=attention_mask).last_hidden_state
+    assert _max_diff_real(trained, inferred, attention_mask) <= ATOL
 
 
 def test_packed_kwargs_that_do_not_fit_raise(debug_config):
-    model = BertImplModel(debug_config()).eval()
+    model = BertImplModel(debug_config(kernels="unpadded")).eval()
     ids = torch.randint(1, VOCAB, (1, 9))
     with pytest.raises(ValueError, match=r"cu_seq_lens_q \[0, 4, 8\] must run from 0 to the packed length 9"):
         model(ids, cu_seq_lens_q=torch.tensor([0, 4, 8], dtype=torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------
+# "auto": the measured choice
+
+
+_AUTO_RUN = r'''
+import json, sys
+import torch
+torch.set_num_threads(1)
+from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
+from hf_bert_impl import kernels_bert_impl as K
+
+timings, median_seconds = [], K._median_seconds
+K._median_seconds = lambda fn, reps=3: timings.append(1) or median_seconds(fn, reps)  # counts the kernels timed
+
+
+def run(steps=3):
+    """A seeded training run of the debug model with "auto" (dropout 0.1, a padded batch), then one inference call:
+    each loss as float.hex, the choices made, the seconds spent measuring and the number of kernels timed."""
+    torch.manual_seed(0)
+    config = BertImplConfig.from_preset("debug", vocab_size=99, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model = BertImplForMaskedLM(config).train()
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.arange(7)[None] < torch.tensor([7 - i % 4 for i in range(13)])[:, None]).long()
+    ids = torch.randint(1, 99, (13, 7), generator=g) * mask
+    labels = torch.where((torch.rand(13, 7, generator=g) < 0.3) & mask.bool(), ids, -100)
+    labels[0, 0] = ids[0, 0]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item().hex())
+    with torch.no_grad():
+        model.eval()(ids, attention_mask=mask)
+    return {"losses": losses, "chosen": K.chosen_kernels(), "seconds": K.measurement_seconds(), "timed": len(timings)}
+'''
+
+# The points, their candidates (names for config.kernels, or "reference") and the shape of their keys.
+_CANDIDATES = {"linear": {"reference", "onednn_linear", "fused_activation"}, "dropout": {"reference", "bits_dropout"},
+               "layout": {"per_sequence_attention", "grid_attention"}}
+_KEY = re.compile(r"(linear\|cpu\|(float32|bfloat16)\|\d+x\d+\|rows<=\d+\|(train|infer)\|\w+"
+                  r"|dropout\|cpu\|(float32|bfloat16)\|numel<=\d+"
+                  r"|layout\|cpu\|(float32|bfloat16)\|n<=\d+\|m<=\d+\|\d+x\d+)")
+
+
+def _auto_run(monkeypatch):
+    """_AUTO_RUN's run() in this process (its spy on `_median_seconds` undone afterwards)."""
+    monkeypatch.setattr(K, "_median_seconds", K._median_seconds)
+    namespace = {}
+    exec(compile(_AUTO_RUN, "<auto run>", "exec"), namespace)
+    return namespace["run"]()
+
+
+def _python(code: str, cache, *argv, popen=False):
+    """A fresh Python of this venv running `code` with the kernel record at `cache`, one thread, this checkout."""
+    env = {**os.environ, "HF_BERT_IMPL_KERNEL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    command = [sys.executable, "-c", code, *map(str, argv)]
+    if popen:
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture
+def fresh_choices(monkeypatch, tmp_path):
+    """This process as if nothing was measured yet, its record an empty file of this test (both restored after)."""
+    monkeypatch.setattr(K, "_CHOICES", K._Choices())
+    path = tmp_path / "kernels.json"
+    monkeypatch.setenv("HF_BERT_IMPL_KERNEL_CACHE", str(path))
+    return path
+
+
+def _assert_valid_choices(chosen: dict, points=tuple(_CANDIDATES)):
+    """Every key names a point, the device, dtype and shape class; every value a candidate of its point; `points` seen."""
+    assert set(points) <= {key.split("|")[0] for key in chosen}, chosen
+    for key, name in chosen.items():
+        assert _KEY.fullmatch(key), key
+        assert name in _CANDIDATES[key.split("|")[0]], (key, name)
+
+
+def test_auto_choices_are_recorded_and_a_fresh_process_reuses_them_bit_for_bit(fresh_choices, monkeypatch):
+    """(1) "auto" measures each point once per (device, dtype, shape class) on first use: the choices name a candidate
+    or "reference", per key; the record file holds exactly them; measuring took time. (2) A fresh process reading the
+    same record measures nothing and makes the same choices, and its seeded training run with dropout gives the same
+    losses bit for bit (measuring draws nothing from the run's random stream)."""
+    first = _auto_run(monkeypatch)
+    _assert_valid_choices(first["chosen"])
+    assert first["chosen"] == K.chosen_kernels() and first["seconds"] == K.measurement_seconds() > 0
+    assert first["timed"] >= len(first["chosen"])  # at least one timing per choice
+    assert any("|train|" in key for key in first["chosen"]) and any("|infer|" in key for key in first["chosen"])
+    assert K.cache_path() == str(fresh_choices)
+    record = json.loads(fresh_choices.read_text())
+    assert len(record) == 1 and next(iter(record.values())) == first["chosen"], record  # one machine: this one
+    again = json.loads(_python(_AUTO_RUN + "\nprint(json.dumps(run()))", fresh_choices).stdout.strip().splitlines()[-1])
+    assert again["timed"] == 0 and again["seconds"] < first["seconds"]  # nothing measured (0.0: the test below)
+    assert again["chosen"] == first["chosen"]
+    assert again["losses"] == first["losses"]
+    assert json.loads(fresh_choices.read_text()) == record  # nothing new to write
+
+
+def test_measurement_seconds_is_zero_when_every_choice_comes_from_the_record(debug_config, batch, fresh_choices, monkeypatch):
+    model = BertImplModel(debug_config()).eval()
+    input_ids, attention_mask, _ = batch
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask)
+    assert K.measurement_seconds() > 0 and fresh_choices.exists()
+    monkeypatch.setattr(K, "_CHOICES", K._Choices())  # a process that starts with the record
+    monkeypatch.setattr(K, "_median_seconds", lambda *a: pytest.fail("a recorded choice was measured again"))
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask)
+    assert K.chosen_kernels() and K.measurement_seconds() == 0.0
+
+
+_CONCURRENT = _AUTO_RUN + r'''
+import os, time
+open(sys.argv[1], "w").close()  # ready: everything imported
+while not os.path.exists(sys.argv[2]):  # the start signal, given to both at once
+    time.sleep(0.005)
+print(json.dumps(run(steps=1)))
+'''
+
+
+def test_two_processes_started_together_make_the_same_choices(tmp_path):
+    """Two processes of one machine with the same empty record, measuring at the same moment: the file lock makes one
+    measure while the other waits and reads, so both use the same kernels (and the record holds them)."""
+    cache, go = tmp_path / "kernels.json", tmp_path / "go"
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    procs = [_python(_CONCURRENT, cache, r, go, popen=True) for r in ready]
+    try:
+        deadline = time.monotonic() + 180
+        while not all(r.exists() for r in ready):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a process did not start"
+            time.sleep(0.02)
+        go.touch()
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    _assert_valid_choices(results[0]["chosen"])
+    assert results[0]["chosen"] == results[1]["chosen"]
+    assert results[0]["losses"] == results[1]["losses"]
+    assert next(iter(json.loads(cache.read_text()).values())) == results[0]["chosen"]
+
+
+@needs_onednn
+@pytest.mark.parametrize("wrong", ["nowhere", "everywhere", "forward_only"])
+def test_auto_never_chooses_a_kernel_that_disagrees_with_the_reference(debug_config, batch, fresh_choices, monkeypatch, wrong):
+    """The timing is rigged so that every kernel but the reference looks infinitely fast. With oneDNN's op as it is
+    (the control) "auto" takes a oneDNN kernel; with an op that adds 1e-3 to its result, in every GEMM or only in the
+    forward's (where its bias is given: the backward's transposed check passes), it takes the reference for every
+    linear key, and the outputs are the plain model's bit for bit."""
+    real, timed = K._onednn_op(), {}
+
+    def op(x, w, b, *post):
+        y = real(x, w, b, *post)
+        return y + 1e-3 if wrong == "everywhere" or wrong == "forward_only" and b is not None else y
+
+    candidates = K._linear_candidates
+
+    def named_candidates(*args):
+        out = candidates(*args)
+        timed.update({fn: name for name, fn in out.items()})
+        return out
+
+    monkeypatch.setattr(K, "_onednn_op", lambda: op)
+    monkeypatch.setattr(K, "_linear_candidates", named_candidates)
+    monkeypatch.setattr(K, "_median_seconds", lambda fn, reps=3: 1.0 if timed.get(fn, "reference") == "reference" else 0.0)
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config()).eval()
+    input_ids = batch[0]
+    with torch.no_grad():
+        got = model(input_ids).last_hidden_state  # no padding, no dropout: only the linear point has a choice
+        want = _plain(model)(input_ids).last_hidden_state
+    linear = {k: v for k, v in K.chosen_kernels().items() if k.startswith("linear|")}
+    assert len(linear) >= 3, linear  # Wqkv, Wo, Wi (with its GELU), Wo, the pooler
+    # "everywhere": oneDNN is not even a candidate (the backward's transposed GEMM is checked first); "forward_only": it
+    # is one, and is timed, but its output disagrees
+    assert ("onednn_linear" in timed.values()) == (wrong != "everywhere"), timed
+    if wrong == "nowhere":
+        assert set(linear.values()) <= {"onednn_linear", "fused_activation"}, linear
+    else:
+        assert set(linear.values()) == {"reference"}, linear
+        assert torch.equal(got, want)
+
+
+def test_auto_candidates_are_only_kernels_that_apply(debug_config):
+    """The linear candidates: the reference always; oneDNN where its op computes the backward's transposed GEMM right;
+    the fused activation only for an unhooked GELU / ReLU in float32 inference (`_fusable`)."""
+    from transformers.activations import ACT2FN
+
+    x, w, b = torch.randn(5, 8), torch.randn(6, 8), torch.randn(6)
+    gelu, silu = ACT2FN["gelu"], ACT2FN["silu"]
+    onednn = {"onednn_linear"} if K._onednn_op() is not None else set()
+    fused = {"fused_activation"} if onednn else set()
+    assert set(K._linear_candidates(x, w, b, gelu, False)) == {"reference"} | onednn | fused
+    assert set(K._linear_candidates(x, w, b, gelu, True)) == {"reference"} | onednn
+    assert set(K._linear_candidates(x, w, b, silu, False)) == {"reference"} | onednn
+    assert set(K._linear_candidates(x.half(), w.half(), b.half(), gelu, False)) == {"reference"}
+    assert K._fusable(gelu, False, torch.float32) and not K._fusable(gelu, False, torch.bfloat16)
+    hooked = type(gelu)()
+    hooked.register_forward_hook(lambda *a: None)
+    assert not K._fusable(hooked, False, torch.float32) and not K._fusable(None, False, torch.float32)
+    ref = torch.ones(3)
+    assert K._fastest({"reference": lambda: ref, "off": lambda: ref + 1e-3, "fails": lambda: 1 / 0}) == "reference"
+
+
+def test_kernel_cache_off_writes_no_file(debug_config, batch, monkeypatch, tmp_path):
+    """HF_BERT_IMPL_KERNEL_CACHE=off: the choices are made and kept in memory; no file (record or lock) is written,
+    neither there nor under the home directory's default place."""
+    monkeypatch.setattr(K, "_CHOICES", K._Choices())
+    monkeypatch.setenv("HF_BERT_IMPL_KERNEL_CACHE", "off")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert K.cache_path() is None
+    model = BertImplForMaskedLM(debug_config(hidden_dropout_prob=0.1)).train()
+    input_ids, attention_mask, _, labels = _mlm_batch(batch)
+    model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+    _assert_valid_choices(K.chosen_kernels())
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
 # Sparse MLM prediction
-
-
-def _mlm_batch(batch):
-    input_ids, attention_mask, token_type_ids = batch
-    g = torch.Generator().manual_seed(7)
-    chosen = (torch.rand(input_ids.shape, generator=g) < 0.3) & attention_mask.bool()
-    chosen[0, 0] = True
-    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
-    return input_ids, attention_mask, token_type_ids, labels
 
 
 @pytest.mark.parametrize("num_items_in_batch", [None, 50])
@@ -1071,11 +1403,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_compile_fullgraph_fixed_shape_matches_eager(debug_config, batch, fresh_dynamo):
-    """fullgraph=True turns any graph break into an error; the eager backend keeps the test fast (the
-    graph capture, where breaks happen, is the same for every backend)."""
+@pytest.mark.parametrize("setting", ["auto", ",".join(K.KERNELS)])
+def test_compile_fullgraph_fixed_shape_matches_eager(debug_config, batch, fresh_dynamo, setting):
+    """fullgraph=True turns any graph break into an error (the kernel points answer None while compiling, whatever
+    config.kernels says); the eager backend keeps the test fast (the graph capture, where breaks happen, is the same
+    for every backend)."""
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config()).eval()
+    model = BertImplForMaskedLM(debug_config(kernels=setting)).eval()
     input_ids, attention_mask, token_type_ids = batch
     labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
     compiled = torch.compile(model, fullgraph=True, backend="eager")
@@ -1134,10 +1468,8 @@ def test_compile_dynamic_does_not_recompile_per_length(debug_config, fresh_dynam
 @functools.cache
 def _benchmark_module():
     import importlib.util
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
+    path = REPO_ROOT / "scripts" / "benchmark.py"
     spec = importlib.util.spec_from_file_location("benchmark_script", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through it
@@ -1146,17 +1478,20 @@ def _benchmark_module():
 
 
 def _tiny_benchmark(tmp_path, *argv) -> dict:
-    """scripts/benchmark.py on the tiny size, one timed pair, plus `argv`; its JSON result."""
-    import json
-
-    out = tmp_path / "bench.json"
-    _benchmark_module().main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
-                              *argv, "--json", str(out)])
+    """scripts/benchmark.py on the tiny size, one timed pair, plus `argv`; its JSON result. The matmul peak (MFU's
+    ceiling, sampled before and after every workload) is measured on 256² instead of 1536² matrices: a bf16 GEMM of
+    that size takes seconds on a CPU without bf16 instructions."""
+    bench, out = _benchmark_module(), tmp_path / "bench.json"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(bench, "matmul_peak_flops", functools.partial(bench.matmul_peak_flops, n=256))
+        bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
+                    *argv, "--json", str(out)])
     return json.loads(out.read_text())
 
 
 def test_benchmark_script_checks_outputs_and_writes_json(tmp_path):
-    """One timed pair of the tiny size: the output checks ran and passed, and every reported number is there."""
+    """One timed pair of the tiny size: the output checks ran and passed, every reported number is there, and so are the
+    kernels ours used ("auto": the choices made by then, per workload, and the one-time cost of measuring them)."""
     result = _tiny_benchmark(tmp_path, "--workloads", "fixed,mixed", "--memory", "false")
     checks = result["backends"]["sdpa"]["checks"]
     assert {"fixed_max_abs_diff", "mixed_max_abs_diff", "mlm_loss_abs_diff", "mlm_grad_max_abs_diff"} <= set(checks)
@@ -1166,6 +1501,13 @@ def test_benchmark_script_checks_outputs_and_writes_json(tmp_path):
     assert rows["mixed"]["real_token_fraction"] < 1.0 and rows["fixed"]["real_token_fraction"] == 1.0
     for row in rows.values():
         assert row["ratio_median"] > 0 and row["ours"]["tokens_per_s_real"] > 0 and 0 < row["ours"]["mfu"]
+        kernels = row["ours_kernels"]
+        assert kernels["setting"] == "auto" and kernels["measurement_s"] >= 0
+        _assert_valid_choices(kernels["chosen"], points=("linear", "layout"))  # the mixed batch's padding: "layout"
+        assert any(k.startswith("linear|cpu|float32|128x") for k in kernels["chosen"])  # the tiny model's layers
+    assert rows["mixed"]["ours_kernels"]["measurement_s"] >= rows["fixed"]["ours_kernels"]["measurement_s"]  # cumulative
+    assert result["kernels"]["setting"] == "auto" and result["kernels"]["chosen"] == rows["mixed"]["ours_kernels"]["chosen"]
+    assert result["kernels"]["measurement_s"] == rows["mixed"]["ours_kernels"]["measurement_s"]
     assert result["matmul_peak_flops"]["best"] > 0 and "| sdpa | mixed |" in result["markdown_table"]
 
 
@@ -1210,15 +1552,23 @@ def test_benchmark_autocast_scope_run_times_inference_inside_one_context(tmp_pat
     assert timed[-1] is False  # the default: a context per forward
 
 
-@pytest.mark.parametrize("masks,route", [("torch", "sdpa"), ("bits", "eager")])
-def test_benchmark_dropout_masks_choose_ours_training_dropout(tmp_path, monkeypatch, masks, route):
-    """--dropout_masks torch: ours trains with F.dropout and SDPA (as before 0.3.5); bits: the 32-bit masks and eager
-    attention, on any CPU. Seen in the attention route of ours' timed training steps (BertConfig's dropout 0.1)."""
-    monkeypatch.setattr(mb, "_SERIAL_BERNOULLI", mb._SERIAL_BERNOULLI)  # the script sets it for its process; restored here
-    impls = _spy_attention_impls(monkeypatch)
-    result = _tiny_benchmark(tmp_path, "--dropout_masks", masks, "--workloads", "mlm", "--memory", "false")
-    assert result["args"]["dropout_masks"] == masks and mb._SERIAL_BERNOULLI == (masks == "bits")
-    assert ("eager" in impls) == (route == "eager")  # the output checks (eval) run sdpa either way
+@pytest.mark.parametrize("kernels,eager", [("reference", False), ("bits_dropout", True), ("onednn_linear,bits_dropout", True)])
+def test_benchmark_kernels_option_sets_ours_config_kernels(tmp_path, monkeypatch, capsys, kernels, eager):
+    """--kernels goes to ours' config.kernels: forced bits_dropout trains with eager attention (BertConfig's dropout 0.1),
+    the reference with SDPA; each workload's row records the forced set and no measuring."""
+    if "onednn_linear" in kernels and K._onednn_op() is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    calls = _spy_eager_attention(monkeypatch)
+    built, build = [], _benchmark_module().build_models
+    monkeypatch.setattr(_benchmark_module(), "build_models", lambda *a: built.append(build(*a)) or built[-1])
+    result = _tiny_benchmark(tmp_path, "--kernels", kernels, "--workloads", "mlm", "--memory", "false")
+    assert result["args"]["kernels"] == kernels and built[0][1].config.kernels == kernels
+    assert bool(calls) == eager  # the output checks (eval) run SDPA either way
+    row = result["backends"]["sdpa"]["workloads"]["mlm"]["ours_kernels"]
+    assert row["setting"] == kernels and row["measurement_s"] == 0.0
+    assert row["chosen"] == ("reference" if kernels == "reference" else sorted(K.parse_setting(kernels)))
+    said = "reference (the plain model)" if kernels == "reference" else f"{kernels} (forced)"
+    assert f"mlm    ours' kernels: {said}" in capsys.readouterr().out  # the log says it too
 
 
 def test_benchmark_mlm_step_uses_the_optimizer_trainer_builds(tmp_path, monkeypatch):
@@ -1248,6 +1598,7 @@ def test_benchmark_against_onnxruntime(tmp_path):
     for row in res["workloads"].values():
         assert row["ratio_median"] > 0 and row["ours_onnx_ratio_median"] > 0
         assert row["onnxruntime_transformers"]["tokens_per_s_real"] > 0
+        assert row["ours_kernels"]["setting"] == "auto"
     assert "| mixed |" in result["markdown_table"]
 
 
@@ -1263,12 +1614,12 @@ def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     (["--workloads", "fixed,train"], "--workloads takes a comma-separated subset of fixed,mixed,mlm"),
     (["--seq_len", "1000"], "--seq_len must be in [8, 512]"),
     (["--dtype", "fp16"], "--dtype must be one of ['autocast', 'bf16', 'fp32'], got 'fp16'"),
-    (["--onednn_linear", "maybe"], "--onednn_linear must be auto, true or false, got 'maybe'"),
+    (["--kernels", "fast"], "--kernels must be auto, reference or kernel names from onednn_linear, fused_activation,"),
+    (["--kernels", "onednn_linear,nope"], "got 'onednn_linear,nope'"),
     (["--against", "tensorrt"], "--against must be transformers or onnxruntime, got 'tensorrt'"),
     (["--against", "onnxruntime", "--dtype", "bf16"], "--against onnxruntime runs on the CPU in fp32"),
     (["--autocast_scope", "always"], "--autocast_scope must be forward or run, got 'always'"),
     (["--autocast_scope", "run"], "--autocast_scope run needs --dtype autocast, got --dtype fp32"),
-    (["--dropout_masks", "cuda"], "--dropout_masks must be auto, torch or bits, got 'cuda'"),
     (["--optim", "adamw_fast"], "--optim 'adamw_fast': adamw_fast is not a valid OptimizerNames"),
 ])
 def test_benchmark_rejects_bad_arguments(argv, message, capsys):
@@ -1277,3 +1628,25 @@ def test_benchmark_rejects_bad_arguments(argv, message, capsys):
         bench.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["bf16_weights", "autocast"])
+def test_forced_onednn_in_bfloat16_runs_on_every_cpu(debug_config, batch, mode):
+    """Forced "onednn_linear" in bfloat16 runs where oneDNN has a bf16 kernel and falls back to the reference where it
+    has none (AVX2-only CPUs): the output stays within 3x the reference's own bf16 error against float32."""
+    torch.manual_seed(0)
+    model = BertImplModel(debug_config(kernels="onednn_linear")).eval()
+    input_ids, attention_mask, _ = batch
+    with torch.no_grad():
+        exact = model(input_ids, attention_mask=attention_mask).last_hidden_state
+        runs = {}
+        for kernels in ("onednn_linear", "reference"):
+            model.config.kernels = kernels
+            if mode == "bf16_weights":
+                out = model.to(torch.bfloat16)(input_ids, attention_mask=attention_mask).last_hidden_state.float()
+                model.float()
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(input_ids, attention_mask=attention_mask).last_hidden_state.float()
+            runs[kernels] = (out - exact).abs().max().item()
+    assert runs["onednn_linear"] <= 3 * max(runs["reference"], 1e-3), runs

@@ -1,0 +1,518 @@
+"""Speed paths of hf-bert-impl's BERT: kernels behind the named points of modeling_bert_impl.py.
+
+The model file is the reference; each kernel here computes one of its steps faster on some machines and is tested
+against that step. modeling_bert_impl.py calls four points (linear, dropout, layout, attention), each of which answers
+None where its reference should run:
+
+  point        kernels (names for `config.kernels`)         reference (modeling_bert_impl.py)
+  linear       "onednn_linear": oneDNN's GEMM (the one      act(F.linear(x, W, b)) (torch's BLAS, as nn.Linear)
+               torch.compile's CPU backend emits);
+               "fused_activation": GELU / ReLU inside
+               oneDNN's float32 GEMM (inference)
+  linear       "skip_zero_rows": the MLM decoder's backward   the full backward
+  (decoder)    skips positions without a label
+  dropout      "bits_dropout": masks from 32 random bits      F.dropout (torch's bernoulli_, element by element on
+               per element; training attention runs eager     most CPUs)
+               with them (SDPA's CPU kernels have no dropout)
+  layout,      "unpadded": the layers run on real tokens       the padded batch, masked
+  attention    only; attention per sequence
+               ("per_sequence_attention") or on a compact
+               masked grid ("grid_attention")
+
+`config.kernels`: "auto" (default) measures, "reference" runs the model file alone, and a kernel name (or several,
+comma-separated) forces those kernels and runs the reference at every other point.
+
+"auto": the first time a point meets a (device, dtype, shape class) it times its candidates against the reference on
+that input (a warm-up and 3 timed calls each) and keeps the fastest of those that agree with the reference within the
+kernel's tolerance (`TOLERANCE`; a disagreeing kernel is never chosen). Work-skipping kernels that compute the same
+numbers with less work (unpadding, skipped rows) are taken where they apply. Choices are kept for the process and
+recorded in a small JSON file (`cache_path()`; `HF_BERT_IMPL_KERNEL_CACHE=off` keeps them in memory only), read before
+measuring, written under a file lock: the processes of a multi-process run on one machine, and later seeded runs, use
+the same choice. `chosen_kernels()` returns the choices; the logger "hf_bert_impl.kernels" says each one at debug level.
+Limits: a linear layer's candidates are timed on the forward (for training shapes too); processes on several machines
+each record their own choices (force kernel names, or share the file, for identical kernels everywhere).
+
+Importing this file does nothing but define names: no GEMM, no file access, no probe. Standard library, torch, and the
+kernel names of configuration_bert_impl.py.
+"""
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .configuration_bert_impl import KERNEL_NAMES, kernel_names
+
+try:  # the lock that makes processes of one machine measure one after another; absent on Windows
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+logger = logging.getLogger("hf_bert_impl.kernels")
+
+KERNELS = KERNEL_NAMES
+# A kernel is kept only if its output is within this of the reference's on the measured input (max abs difference,
+# relative to the reference's largest magnitude; float32: GEMM reordering, bfloat16: its 8-bit mantissa).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+# ----------------------------------------------------------------------------------------------
+# The choice: forced, reference, or measured once per (point, device, dtype, shape class)
+
+
+def parse_setting(setting) -> frozenset | str:
+    """config.kernels -> "auto", "reference", or the forced kernel names ("fused_activation" implies "onednn_linear")."""
+    choice = kernel_names(setting)
+    return choice | {"onednn_linear"} if isinstance(choice, frozenset) and "fused_activation" in choice else choice
+
+
+class _Choices:
+    """The choices made in this process, and their record on disk."""
+
+    def __init__(self):
+        self.made: dict[str, str] = {}
+        self.seconds = 0.0  # time spent measuring in this process
+        self.lock = threading.Lock()
+
+    def get(self, key: str, measure) -> str:
+        if key in self.made:
+            return self.made[key]
+        with self.lock, _file_lock() as record:
+            if key not in self.made:
+                name = record.get(key)
+                if name is None:
+                    start = time.perf_counter()
+                    name = measure()
+                    self.seconds += time.perf_counter() - start
+                record[key] = self.made[key] = name
+                logger.debug("kernel for %s: %s", key, name)
+        return self.made[key]
+
+
+_CHOICES = _Choices()
+
+
+def cache_path() -> str | None:
+    """Where choices are recorded: $HF_BERT_IMPL_KERNEL_CACHE, else ~/.cache/hf_bert_impl/kernels.json; None if "off"."""
+    path = os.environ.get("HF_BERT_IMPL_KERNEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hf_bert_impl",
+                                                                   "kernels.json"))
+    return None if path.lower() in ("", "off", "0", "false") else path
+
+
+def _machine() -> str:  # what a recorded choice holds for: the torch build, its CPU capability and thread count
+    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+
+
+class _file_lock:
+    """The record of this machine's choices (a dict), read under an exclusive lock and written back on exit."""
+
+    def __enter__(self) -> dict:
+        self.path, self.fd, self.all = cache_path(), None, {}
+        if self.path is None:
+            self.record = {}
+            return self.record
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self.fd = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+            if fcntl is not None:
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
+            with open(self.path) as f:
+                self.all = json.load(f)
+        except (OSError, ValueError):  # no record yet, or an unreadable one: measure anew
+            self.all = self.all if isinstance(self.all, dict) else {}
+        self.record = dict(self.all.get(_machine(), {}))
+        return self.record
+
+    def __exit__(self, *exc):
+        try:
+            if self.path is not None and exc[0] is None and self.record != self.all.get(_machine()):
+                self.all[_machine()] = self.record
+                tmp = f"{self.path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(self.all, f, indent=1, sort_keys=True)
+                os.replace(tmp, self.path)
+        except OSError as e:  # a read-only home: the choices stay in memory
+            logger.debug("kernel choices not recorded in %s: %s", self.path, e)
+        finally:
+            if self.fd is not None:
+                os.close(self.fd)
+
+
+def chosen_kernels() -> dict[str, str]:
+    """The choices "auto" made in this process: {"point|device|dtype|shape class": kernel or "reference"}."""
+    return dict(_CHOICES.made)
+
+
+def measurement_seconds() -> float:
+    """Seconds this process spent measuring kernels (once per key; zero when every choice came from the record)."""
+    return _CHOICES.seconds
+
+
+def _bucket(n: int) -> int:  # shape classes: sizes rounded up to a power of two
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _median_seconds(fn, reps: int = 3) -> float:
+    fn()  # warm-up: first-call allocations and oneDNN's primitive cache
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2]
+
+
+def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    tol = TOLERANCE.get(ref.dtype, 1e-5) * max(float(ref.abs().max()), 1.0)
+    return out.shape == ref.shape and bool(torch.isfinite(out).all()) and float((out.float() - ref.float()).abs().max()) <= tol
+
+
+def _fastest(candidates: dict, reference: str = "reference") -> str:
+    """Name of the fastest of `candidates` ({name: fn() -> Tensor}) whose output agrees with candidates[reference]'s."""
+    with torch.no_grad():
+        ref = candidates[reference]()
+        agreeing = {name: fn for name, fn in candidates.items() if name == reference or _try_agrees(fn, ref)}
+        return min(agreeing, key=lambda name: _median_seconds(agreeing[name]))
+
+
+def _try_agrees(fn, ref) -> bool:
+    try:
+        return _agrees(fn(), ref)
+    except Exception:  # noqa: BLE001  a kernel that fails on this input is not a candidate
+        return False
+
+
+def _plain_cpu(*tensors) -> bool:  # kernels run on plain CPU tensors outside tracing (compile, export, jit, DTensor)
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors) and not (
+        torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export())
+
+
+# ----------------------------------------------------------------------------------------------
+# linear / decoder: oneDNN's GEMM, the activation inside it, the decoder's skipped rows
+
+
+def _onednn_op():
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
+_POST_OPS = {"GELUActivation": ("gelu", [], "none"), "GELUTanh": ("gelu", [], "tanh"),
+             "NewGELUActivation": ("gelu", [], "tanh"), "ReLU": ("relu", [], "")}  # activation class -> oneDNN post-op
+
+
+_ONEDNN_RUNS: dict = {}  # dtype -> whether oneDNN's op runs here and reproduces F.linear (asked at first use, not import)
+
+
+def _onednn_runs(dtype) -> bool:
+    if dtype not in _ONEDNN_RUNS:
+        op, g = _onednn_op(), torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 8), (3, 8), (3,)))
+        _ONEDNN_RUNS[dtype] = op is not None and _try_agrees(lambda: op(x, w, b, "none", [], ""), F.linear(x, w, b))
+    return _ONEDNN_RUNS[dtype]
+
+
+def _gemm(x, weight, bias, onednn: bool):  # x Wᵀ + b
+    return _onednn_op()(x, weight, bias, "none", [], "") if onednn else F.linear(x, weight, bias)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """y = x Wᵀ + b with its backward written out (dx = dy W, dW = dyᵀ x, db = Σ dy). (1) oneDNN's op has no autograd
+    formula; it copies dyᵀ, which torch.mm reads as a strided view, so dW goes through torch.mm in bfloat16 and, in
+    float32, for outputs over 8x wider than the input. (2) `skip_zero_rows`: rows of dy that are all zero (positions
+    without a label) add nothing; when at most half are left the backward runs on those only."""
+
+    @staticmethod
+    def forward(x, weight, bias, onednn: bool, skip_zero_rows: bool):
+        return _gemm(x, weight, bias, onednn)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # apart from forward: torch.func transforms (grad) can then run it
+        x, weight, _, ctx.onednn, ctx.skip_zero_rows = inputs
+        ctx.save_for_backward(x, weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (x, weight), need = ctx.saved_tensors, ctx.needs_input_grad
+        grad_2d, x_2d = grad.reshape(-1, grad.size(-1)), x.reshape(-1, x.size(-1))  # (N, out), (N, in)
+        rows = grad_2d.ne(0).any(1).nonzero().squeeze(1) if ctx.skip_zero_rows else None  # (n,) not all zero
+        if rows is not None and 2 * rows.numel() <= grad_2d.size(0):
+            grad_2d, x_2d = grad_2d.index_select(0, rows), x_2d.index_select(0, rows)  # (n, out), (n, in)
+        grad_x = _gemm(grad_2d, weight.t(), None, ctx.onednn) if need[0] else None  # (N, in) or (n, in)
+        if grad_x is not None and grad_x.size(0) < x.numel() // x.size(-1):  # the skipped rows' dx is zero
+            grad_x = x.new_zeros(x.shape).view(-1, x.size(-1)).index_copy_(0, rows, grad_x)
+        by_mm = not ctx.onednn or grad.dtype == torch.bfloat16 or grad_2d.size(1) > 8 * x_2d.size(1)
+        grad_w = (torch.mm(grad_2d.t(), x_2d) if by_mm else _gemm(grad_2d.t(), x_2d.t(), None, True)) if need[1] else None
+        return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_2d.sum(0) if need[2] else None, None, None
+
+
+_CAST_BUFFERS = threading.local()  # per thread: (shape, dtype) -> the buffer no-grad autocast casts of weights reuse
+
+
+def _linear_candidates(x, w, b, act, grad: bool) -> dict:
+    """The ways to compute act(x Wᵀ + b) here: {name: fn() -> Tensor}; oneDNN only where it also computes the
+    backward's transposed GEMM right."""
+    identity = (lambda y: y) if act is None else act
+    out = {"reference": lambda: identity(F.linear(x, w, b))}
+    op = _onednn_op()
+    if op is None or x.dtype not in TOLERANCE:
+        return out
+    y = torch.randn(x.shape[:-1] + w.shape[:1], dtype=x.dtype, generator=torch.Generator().manual_seed(0))
+    if _try_agrees(lambda: op(y, w.t(), None, "none", [], ""), F.linear(y, w.t())):  # the backward's transposed GEMM too
+        out["onednn_linear"] = lambda: identity(op(x, w, b, "none", [], ""))
+    if "onednn_linear" in out and _fusable(act, grad, x.dtype):
+        out["fused_activation"] = lambda: op(x, w, b, *_POST_OPS[type(act).__name__])
+    return out
+
+
+def _fusable(act, grad: bool, dtype) -> bool:  # an unhooked GELU / ReLU after a float32 GEMM in inference
+    return (act is not None and not grad and dtype == torch.float32 and type(act).__name__ in _POST_OPS
+            and not (act._forward_hooks or act._forward_pre_hooks))  # a hooked activation must run itself
+
+
+def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: bool = False) -> torch.Tensor | None:
+    """Point "linear" (and "decoder" where `skip_zero_rows`): act(x Wᵀ + b) by a kernel, or None for the reference.
+    Per call only what can change is looked at: dtype, device, plain tensors, grad mode, CPU autocast (bf16 GEMM), hooks."""
+    choice = parse_setting(setting)
+    w, b = layer.weight, layer.bias
+    if choice == "reference" or x.numel() == 0 or not _plain_cpu(x, w):
+        return None
+    autocast, grad = torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()
+    dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype  # the dtype the GEMM runs in
+    if dtype not in TOLERANCE or not (x.dtype == w.dtype or autocast and {x.dtype, w.dtype} <= set(TOLERANCE)):
+        return None
+    cast_buffer = autocast and not grad and w.dtype != dtype  # autocast inference: the weight cast anew each call into a
+    if cast_buffer:  # kept buffer (a fresh copy per call can cost more)
+        buffers, shape = vars(_CAST_BUFFERS), (tuple(w.shape), dtype)
+        wc = buffers[shape] if shape in buffers else buffers.setdefault(shape, w.new_empty(w.shape, dtype=dtype))
+    xc, bc = x.to(dtype), None if b is None else b.to(dtype)
+    wc = wc.copy_(w) if cast_buffer else w.to(dtype)
+    fusable = _fusable(act, grad, dtype)
+    if choice == "auto":
+        key = (f"linear|cpu|{str(dtype)[6:]}|{w.size(1)}x{w.size(0)}|rows<={_bucket(x.numel() // x.size(-1))}"
+               f"|{'train' if grad else 'infer'}|{type(act).__name__ if act is not None else 'none'}")
+        name = _CHOICES.get(key, lambda: _fastest(_linear_candidates(xc.detach(), wc.detach(), bc, act, grad)))
+    else:
+        name = "fused_activation" if "fused_activation" in choice else "onednn_linear" if "onednn_linear" in choice else "reference"
+    if name != "reference" and not _onednn_runs(dtype):  # forced where oneDNN cannot compute in this dtype
+        name = "reference"
+    if name == "fused_activation" and not fusable:  # a hook added since, or grad mode: the activation runs after the GEMM
+        name = "onednn_linear"
+    skip = skip_zero_rows and grad and (choice == "auto" or "skip_zero_rows" in choice)
+    if name == "fused_activation":
+        return _onednn_op()(xc, wc, bc, *_POST_OPS[type(act).__name__])
+    if name == "reference" and not skip:
+        return None
+    y = _LinearFunction.apply(xc, wc, bc, name == "onednn_linear", skip)
+    return y if act is None else act(y)
+
+
+# ----------------------------------------------------------------------------------------------
+# dropout: masks from random bits
+
+
+def bits_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Inverted dropout in training: each element kept iff 32 random bits of torch's generator (as int32) are below
+    (1 - p)·2^32 - 2^31 (p resolved to 2^-32), kept values scaled by 1/(1 - p). One draw of 64-bit words instead of
+    torch's CPU bernoulli_, which draws element by element (2 Mersenne-twister draws and a double each) on most CPUs."""
+    bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64, device=x.device).random_(-2**63, None).view(torch.int32)
+    return x * (bits[:x.numel()].view(x.shape) < min(round((1 - p) * 2**32), 2**32 - 1) - 2**31) * (1 / (1 - p))
+
+
+def _dropout_statistics_hold(out: torch.Tensor, x: torch.Tensor, p: float) -> bool:
+    """A random kernel agrees with F.dropout in distribution: kept values exactly x/(1-p), kept share within 6 sd."""
+    kept = out.ne(0) & x.ne(0)
+    n = int(x.ne(0).sum())
+    exact = torch.equal(out[kept], (x * (1 / (1 - p)))[kept].to(out.dtype))
+    return exact and abs(int(kept.sum()) - n * (1 - p)) <= 6 * (n * p * (1 - p)) ** 0.5 + 1
+
+
+def dropout_choice(setting, x: torch.Tensor, p: float, training: bool, shape: torch.Size | None = None) -> str:
+    """Point "dropout": "bits_dropout" or "reference" (F.dropout) for a training call on x (of `shape` if given)."""
+    choice = parse_setting(setting)
+    if not (training and 0 < p < 1) or choice == "reference" or not _plain_cpu(x):
+        return "reference"
+    if choice != "auto":
+        return "bits_dropout" if "bits_dropout" in choice else "reference"
+    shape = x.shape if shape is None else shape
+    key = f"dropout|cpu|{str(x.dtype)[6:]}|numel<={_bucket(shape.numel())}"
+
+    def measure():
+        sample = torch.ones(shape, dtype=x.dtype)
+        state = torch.get_rng_state()  # measuring draws numbers: the run's random stream stays as it was
+        try:
+            if not _dropout_statistics_hold(bits_dropout(sample, p), sample, p):
+                return "reference"
+            t_ref = _median_seconds(lambda: F.dropout(sample, p, True))
+            return "bits_dropout" if _median_seconds(lambda: bits_dropout(sample, p)) < t_ref else "reference"
+        finally:
+            torch.set_rng_state(state)
+
+    return _CHOICES.get(key, measure)
+
+
+def dropout_kernel(setting, x: torch.Tensor, p: float, training: bool) -> torch.Tensor | None:
+    """Point "dropout": dropout by "bits_dropout", or None for the reference (F.dropout)."""
+    return bits_dropout(x, p) if dropout_choice(setting, x, p, training) == "bits_dropout" else None
+
+
+# ----------------------------------------------------------------------------------------------
+# layout: the real tokens only, attention per sequence or on a compact grid
+
+
+@dataclass
+class TokenMap:
+    """Where the real tokens of a padded or packed batch sit while the layers run on them alone, as (1, T, H) (or the
+    whole batch, (b, s, H), when nothing is padded: `unpadded` is False).
+
+    `indices` (T,): their places in the flattened (b*s) batch (None for a packed row: all are real). Attention sees them
+    per sequence (`seq_lengths`, one unmasked call each) or as `grid` (n, m): n sequences of m slots, `grid_index` (T,)
+    each token's slot, `mask` the additive padding mask of the grid (None: every slot real). Flash attention takes them as
+    they are: cu_seqlens (n + 1,) and max_seqlen in `attention_kwargs`."""
+
+    batch_shape: tuple[int, int]
+    grid: tuple[int, int]
+    mask: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    grid_index: torch.Tensor | None = None
+    seq_lengths: tuple[int, ...] | None = None
+    attention_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def unpadded(self) -> bool:  # the layers run on fewer (or packed) tokens than the padded batch
+        return self.indices is not None or self.seq_lengths is not None or self.grid_index is not None or bool(self.attention_kwargs)
+
+    def gather(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """An input (b, s[, H]) or (1, s[, H]) -> (1, T[, H])."""
+        if t is None or self.indices is None:
+            return t
+        t = t.expand(*self.batch_shape, *t.shape[2:]).flatten(0, 1)  # (b*s[, H])
+        return t.index_select(0, self.indices).unsqueeze(0)  # (1, T[, H])
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, T, H) -> (b, s, H), zeros at padding."""
+        if self.indices is None:
+            return x
+        b, s = self.batch_shape
+        x = x.reshape(-1, x.size(-1))  # (T, H)
+        return x.new_zeros(b * s, x.size(-1)).index_copy(0, self.indices, x).view(b, s, -1)
+
+
+def _additive_mask(valid: torch.Tensor, dtype) -> torch.Tensor:  # (n, m) bool -> (n, 1, 1, m): 0 or the dtype's min
+    return (~valid[:, None, None, :]).to(dtype) * torch.finfo(dtype).min
+
+
+def _sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """(1, s) position ids of a packed row -> (n,) each sequence's first index (position id 0: DataCollatorWithFlattening)."""
+    first = position_ids.view(-1).eq(0)
+    first[0] = True
+    return first.nonzero().squeeze(1)
+
+
+def _layout_kernel(choice, lengths: list[int], heads: int, head_dim: int, dtype) -> str:
+    """"per_sequence_attention" or "grid_attention" for sequences of `lengths`: forced, or the faster of the two on
+    random q, k, v of these shapes (both give the padded reference's numbers, tested)."""
+    if choice != "auto":
+        return "grid_attention" if "grid_attention" in choice and "per_sequence_attention" not in choice else "per_sequence_attention"
+    n, m = len(lengths), max(lengths)
+    key = f"layout|cpu|{str(dtype)[6:]}|n<={_bucket(n)}|m<={_bucket(m)}|{heads}x{head_dim}"
+
+    def measure():
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, heads, sum(lengths), head_dim, generator=g).to(dtype)
+        per = lambda: [F.scaled_dot_product_attention(*(t,) * 3) for t in q.split(lengths, 2)]  # noqa: E731
+        grid = torch.randn(n, heads, m, head_dim, generator=g).to(dtype)
+        mask = _additive_mask(torch.arange(m)[None] < torch.tensor(lengths)[:, None], dtype)
+        full = lambda: F.scaled_dot_product_attention(grid, grid, grid, mask)  # noqa: E731
+        return "per_sequence_attention" if _median_seconds(per) <= _median_seconds(full) else "grid_attention"
+
+    return _CHOICES.get(key, measure)
+
+
+def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape, dtype, kwargs) -> TokenMap | None:
+    """Point "layout": the map of the real tokens of a padded batch or a packed row (b == 1, sequences restarting at
+    position id 0, or DataCollatorWithFlattening's cu_seq_lens_q); a mask without padding gives the batch as its own
+    unmasked grid (the mask read once); None: the padded batch, masked by the model (the reference)."""
+    choice = parse_setting(setting)
+    impl = config._attn_implementation
+    flash = impl is not None and "flash" in impl and "paged" not in impl
+    if choice == "reference" or (choice != "auto" and not choice & {"unpadded", "per_sequence_attention", "grid_attention"}):
+        return None
+    if torch.compiler.is_compiling() or not (impl in ("eager", "sdpa") or flash):
+        return None
+    b, s = batch_shape
+    if attention_mask is not None:
+        keep = attention_mask.bool()
+        lengths_t = keep.sum(1)
+        lengths = lengths_t.tolist()  # the forward's one host read of the mask (a sync on an accelerator)
+        if min(lengths) == s:  # nothing to unpad nor to mask: the batch as its own grid, unmasked (no second read)
+            return TokenMap((b, s), (b, s))
+        indices = keep.flatten().nonzero_static(size=sum(lengths)).squeeze(1)  # (T,) row-major: rows contiguous
+    elif b == 1 and (kwargs.get("cu_seq_lens_q") is not None or position_ids is not None):
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is not None:
+            cu = cu.to(torch.long).view(-1)
+            if cu[[0, -1]].tolist() != [0, s]:
+                raise ValueError(f"cu_seq_lens_q {cu.tolist()} must run from 0 to the packed length {s}; pass the "
+                                 "collator's kwargs unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+            starts = cu[:-1]
+        else:
+            starts = _sequence_starts(position_ids)
+        if starts.numel() < 2:
+            return None
+        lengths_t = torch.cat([starts.long(), torch.tensor([s], device=starts.device)]).diff()
+        lengths, indices = lengths_t.tolist(), None
+    else:
+        return None
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(name, None)
+    total, m = sum(lengths), max(max(lengths), 1)
+    cu_seqlens = F.pad(lengths_t.cumsum(0), (1, 0)).int()  # (n + 1,)
+    if flash:
+        fkw = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=m, max_length_k=m)
+        return TokenMap((b, s), (1, total), indices=indices, attention_kwargs=fkw)
+    device, real = lengths_t.device, [n for n in lengths if n]
+    heads = config.num_attention_heads
+    if total and device.type == "cpu" and _layout_kernel(choice, real, heads, config.hidden_size // heads, dtype) == \
+            "per_sequence_attention":
+        return TokenMap((b, s), (1, total), indices=indices, seq_lengths=tuple(real))
+    n = len(lengths)
+    seq = torch.repeat_interleave(torch.arange(n, device=device), lengths_t, output_size=total)  # (T,) each token's sequence
+    slot = torch.arange(total, device=device) - cu_seqlens[seq]  # (T,) its place in that sequence
+    valid = torch.arange(m, device=device)[None, :] < lengths_t[:, None]  # (n, m)
+    mask = None if min(lengths) == m else _additive_mask(valid, dtype)  # (n, 1, 1, m)
+    return TokenMap((b, s), (n, m), mask, indices=indices, grid_index=seq * m + slot)
+
+
+def attention_kernel(module, qkv: torch.Tensor, tokens: TokenMap | None, attention_fn, eager_fn, mask, kwargs) -> tuple | None:
+    """Point "attention": attention over `tokens` (the "layout" kernels), and training attention with "bits_dropout" masks,
+    which runs `eager_fn` (the formula, whose dropout takes them: SDPA's CPU kernels draw no dropout of their own).
+    qkv: (b, s, 3H) or (1, T, 3H). Returns (out (b, s, h, d) or (1, T, h, d), probs) or None for the reference."""
+    p = module.attention_dropout if module.training else 0.0
+    h, d = module.num_heads, module.head_dim
+    if tokens is None:
+        n, m, extra = qkv.size(0), qkv.size(1), {}
+    else:
+        (n, m), mask, extra = tokens.grid, tokens.mask, tokens.attention_kwargs
+    probs_shape = torch.Size((n, h, m, m)) if tokens is None or tokens.seq_lengths is None else \
+        torch.Size((1, h, max(tokens.seq_lengths), max(tokens.seq_lengths)))
+    varlen = tokens is not None and bool(tokens.attention_kwargs)  # flash's own layout: its function, its dropout
+    if p > 0 and not varlen and dropout_choice(module.config.kernels, qkv, p, True, probs_shape) == "bits_dropout":
+        attention_fn = eager_fn
+    elif tokens is None:
+        return None
+    if tokens is not None and tokens.grid_index is not None:  # each real token into its slot of the (n, m) grid
+        qkv = qkv.new_zeros(n * m, 3 * h * d).index_copy(0, tokens.grid_index, qkv.view(-1, 3 * h * d))  # (n*m, 3H)
+    parts = qkv.split(tokens.seq_lengths, dim=1) if tokens is not None and tokens.seq_lengths is not None else \
+        (qkv.view(n, m, 3 * h * d),)
+    outs = [attention_fn(module, *part.unflatten(-1, (3, h, d)).permute(2, 0, 3, 1, 4), mask, scaling=module.scaling,
+                         dropout=p, **extra, **kwargs)
+            for part in parts]  # q, k, v: (n, h, m, d) -> out (n, m, h, d), probs
+    out, probs = outs[0] if len(outs) == 1 else (torch.cat([o for o, _ in outs], 1), None)
+    if tokens is not None and tokens.grid_index is not None:  # from the grid's slots back to the real tokens
+        out = out.reshape(n * m, h * d).index_select(0, tokens.grid_index)  # (T, H)
+    return out, probs
