@@ -1113,7 +1113,7 @@ from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
 from hf_bert_impl import kernels_bert_impl as K
 
 timings, median_seconds = [], K._median_seconds
-K._median_seconds = lambda fn, reps=3: timings.append(1) or median_seconds(fn, reps)  # counts the kernels timed
+K._median_seconds = lambda fn, reps=3, warm=False: timings.append(1) or median_seconds(fn, reps, warm)  # counts the kernels timed
 
 
 def run(steps=3):
@@ -1274,7 +1274,7 @@ def test_auto_never_chooses_a_kernel_that_disagrees_with_the_reference(debug_con
 
     monkeypatch.setattr(K, "_onednn_op", lambda: op)
     monkeypatch.setattr(K, "_linear_candidates", named_candidates)
-    monkeypatch.setattr(K, "_median_seconds", lambda fn, reps=3: 1.0 if timed.get(fn, "reference") == "reference" else 0.0)
+    monkeypatch.setattr(K, "_median_seconds", lambda fn, reps=3, warm=False: 1.0 if timed.get(fn, "reference") == "reference" else 0.0)
     torch.manual_seed(0)
     model = BertImplModel(debug_config()).eval()
     input_ids = batch[0]
