@@ -125,6 +125,8 @@ def kernel_names(setting) -> frozenset | str:
         raise ValueError(f"BertImplConfig.kernels must be 'auto', 'reference' or kernel names from {KERNEL_NAMES} "
                          f"(comma-separated), got {setting!r}")
     return frozenset(names)
+
+
 # Instance flag set once __init__ has validated; kept out of config.json by `to_dict`.
 _READY = "_bert_impl_validated"
 

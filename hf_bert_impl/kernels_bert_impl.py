@@ -124,8 +124,10 @@ class _file_lock:
             with open(self.path) as f:
                 self.all = json.load(f)
         except (OSError, ValueError):  # no record yet, or an unreadable one: measure anew
-            self.all = self.all if isinstance(self.all, dict) else {}
-        self.record = dict(self.all.get(_machine(), {}))
+            pass
+        mine = self.all.get(_machine()) if isinstance(self.all, dict) else None
+        self.all = self.all if isinstance(self.all, dict) else {}
+        self.record = {k: v for k, v in mine.items() if isinstance(v, str)} if isinstance(mine, dict) else {}
         return self.record
 
     def __exit__(self, *exc):

@@ -127,6 +127,8 @@ class BenchmarkArguments:
     seed: int = field(default=0)
     threads: int = field(default=0, metadata={"help": "torch.set_num_threads; 0 leaves torch's default"})
     memory: bool = field(default=True, metadata={"help": "measure peak memory (one extra profiled run per model)"})
+    peak_n: int = field(default=0, metadata={"help": "n of the n x n x n matmul whose speed is the MFU peak; 0 = 8192 on a "
+                                                    "GPU, 1536 on a CPU (smaller: a quick run on a CPU without bf16 units)"})
     kernels: str = field(
         default="auto",
         metadata={"help": "ours' config.kernels: auto (each kernel measured against the plain model once per shape class "
@@ -558,11 +560,11 @@ def matmul_peak_flops(device, dtype, n=None, reps=5) -> dict[str, float]:
 class PeakSampler:
     """The matmul peak, sampled at the start, after every workload and at the end; MFU uses the best."""
 
-    def __init__(self, device, dtype):
-        self.device, self.dtype, self.samples = device, dtype, []
+    def __init__(self, device, dtype, n=None):
+        self.device, self.dtype, self.n, self.samples = device, dtype, n, []
 
     def sample(self) -> None:
-        self.samples.append(matmul_peak_flops(self.device, self.dtype))
+        self.samples.append(matmul_peak_flops(self.device, self.dtype, self.n))
 
     @property
     def best(self) -> float:
@@ -825,7 +827,7 @@ def main(argv=None):
     info = machine_record(device)
     print(f"machine: {info}")
     tokenizer = load_tokenizer()
-    peaks = PeakSampler(device, gemm_dtype(args))
+    peaks = PeakSampler(device, gemm_dtype(args), args.peak_n or None)
     peaks.sample()
     result = {"args": asdict(args), "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": info, "device_type": device.type, "backends": {}}

@@ -42,7 +42,7 @@ MFU_TARGET = ("fixed", 512, 0.50)  # ours, fixed length, sequence 512
 PLANS = {
     "cuda": dict(size="base", seq_lens=(128, 512), batch_size=32, extra=[], tests_timeout=270, bench_timeout=100),
     "cpu": dict(size="tiny", seq_lens=(16, 24), batch_size=2,
-                extra=["--pairs", "1", "--warmup", "0", "--memory", "false"], tests_timeout=240, bench_timeout=120),
+                extra=["--pairs", "1", "--warmup", "0", "--memory", "false", "--peak_n", "256"], tests_timeout=240, bench_timeout=120),
 }
 
 

@@ -412,8 +412,8 @@ def test_save_load_roundtrip_keeps_loaded_weights(debug_config, batch, tmp_path,
             p.add_(0.5)
     model.save_pretrained(tmp_path)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["checkpoint_bert_impl.py", "config.json", "configuration_bert_impl.py", "model.safetensors",
-                     "modeling_bert_impl.py"]
+    assert names == ["checkpoint_bert_impl.py", "config.json", "configuration_bert_impl.py", "kernels_bert_impl.py",
+                     "model.safetensors", "modeling_bert_impl.py"]
     loaded = cls.from_pretrained(tmp_path).eval()
     for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(p, q), name

@@ -1479,13 +1479,11 @@ def _benchmark_module():
 
 def _tiny_benchmark(tmp_path, *argv) -> dict:
     """scripts/benchmark.py on the tiny size, one timed pair, plus `argv`; its JSON result. The matmul peak (MFU's
-    ceiling, sampled before and after every workload) is measured on 256² instead of 1536² matrices: a bf16 GEMM of
-    that size takes seconds on a CPU without bf16 instructions."""
+    ceiling, sampled before and after every workload) is measured on 256² instead of 1536² matrices (`--peak_n`): a
+    bf16 GEMM of that size takes seconds on a CPU without bf16 instructions."""
     bench, out = _benchmark_module(), tmp_path / "bench.json"
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(bench, "matmul_peak_flops", functools.partial(bench.matmul_peak_flops, n=256))
-        bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
-                    *argv, "--json", str(out)])
+    bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0", "--peak_n", "256",
+                *argv, "--json", str(out)])
     return json.loads(out.read_text())
 
 
