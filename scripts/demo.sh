@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's main command: the whole workflow on one CPU in a few minutes, offline.
 #   bash scripts/demo.sh                 # everything below, outputs in outputs/demo/ (git-ignored)
-#   DEMO_OUT=/tmp/demo bash scripts/demo.sh
+#   DEMO_OUT=out/demo bash scripts/demo.sh
 #   PRETRAIN_STEPS=6000 bash scripts/demo.sh   # a longer pretraining (better numbers, longer wait)
 # 1. sets up .venv (scripts/setup_env.sh; nothing to do the second time)
 # 2. pretrains a tiny BERT (masked LM) on the embedded corpus, the Python Language Reference text

@@ -1,7 +1,7 @@
 """Export a saved bert_impl checkpoint to ONNX (torch's dynamo exporter) and prove it in onnxruntime.
 
     python scripts/export_onnx.py --model my-bert                          # -> my-bert/model.onnx (+ .onnx.data)
-    python scripts/export_onnx.py --model my-bert --out /tmp/bert.onnx --check_lengths 8 64 --atol 1e-4
+    python scripts/export_onnx.py --model my-bert --out out/bert.onnx --check_lengths 8 64 --atol 1e-4
     python scripts/export_onnx.py --model my-bert --no_check               # export only
 
 The batch and sequence dimensions are dynamic (torch.export.Dim); the sequence may be as long as

@@ -9,7 +9,7 @@ Copy-paste commands:
     bash scripts/gpu_check.sh --json benchmarks/cuda_bf16_gpu_check.json
 
     # the dry run on the CPU: the same tests on small sizes, the benchmark with --size tiny (about a minute)
-    bash scripts/gpu_check.sh --device cpu --json /tmp/gpu_check_dry_run.json
+    bash scripts/gpu_check.sh --device cpu --json out/gpu_check_dry_run.json
 
 `--only tests` or `--only benchmark` reruns one part (the JSON then holds that part only).
 

@@ -2,7 +2,7 @@
 # The GPU check: versions, the accelerator tests (tests/test_cuda.py) and the bf16 benchmark against
 # transformers (scripts/benchmark.py, bert-base, sequence 128 and 512, batch 32), all in one JSON.
 #   bash scripts/gpu_check.sh --json benchmarks/cuda_bf16_gpu_check.json        # on a GPU machine
-#   bash scripts/gpu_check.sh --device cpu --json /tmp/gpu_check_dry_run.json   # the dry run on the CPU
+#   bash scripts/gpu_check.sh --device cpu --json out/gpu_check_dry_run.json   # the dry run on the CPU
 # PYTHON picks the interpreter (default: python); the repository goes on PYTHONPATH, so a machine with
 # torch, transformers, accelerate, safetensors, tokenizers and pytest needs no install. Details in
 # docs/gpu.md and scripts/gpu_check.py.

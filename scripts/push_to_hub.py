@@ -1,7 +1,7 @@
 """Push a saved bert_impl model directory to the Hugging Face Hub, with a rendered model card.
 
     # see exactly what would be uploaded (no token, nothing leaves the machine)
-    python scripts/push_to_hub.py --model-dir outputs/mlm --repo-id alice/bert-impl-mlm --dry-run /tmp/upload
+    python scripts/push_to_hub.py --model-dir outputs/mlm --repo-id alice/bert-impl-mlm --dry-run out/upload
 
     # upload (log in first: `hf auth login`, or set HF_TOKEN)
     python scripts/push_to_hub.py --model-dir outputs/mlm --repo-id alice/bert-impl-mlm
