@@ -127,6 +127,14 @@ def kernel_names(setting) -> frozenset | str:
     return frozenset(names)
 
 
+def word_embedding_scale(scale_word_embeddings, position_embedding_type: str, hidden_size: int) -> float:
+    """√hidden_size where the word embeddings are scaled (None: with sinusoidal positions), else 1.0. Also read off a
+    config.json's fields (model cards), where a missing `scale_word_embeddings` is SAVED_BEFORE's."""
+    if scale_word_embeddings is None:
+        scale_word_embeddings = position_embedding_type == "sinusoidal"
+    return hidden_size**0.5 if scale_word_embeddings else 1.0
+
+
 # Instance flag set once __init__ has validated; kept out of config.json by `to_dict`.
 _READY = "_bert_impl_validated"
 
@@ -240,10 +248,7 @@ class BertImplConfig(PretrainedConfig):
     @property
     def word_embedding_scale(self) -> float:
         """The factor the word embeddings are multiplied by: √hidden_size or 1.0 (see `scale_word_embeddings`)."""
-        scale = self.scale_word_embeddings
-        if scale is None:
-            scale = self.position_embedding_type == "sinusoidal"
-        return self.hidden_size**0.5 if scale else 1.0
+        return word_embedding_scale(self.scale_word_embeddings, self.position_embedding_type, self.hidden_size)
 
     def to_dict(self):
         out = super().to_dict()

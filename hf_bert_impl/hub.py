@@ -26,7 +26,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .configuration_bert_impl import AUTO_MAP, HEAD_TABLE
+from .configuration_bert_impl import AUTO_MAP, HEAD_TABLE, SAVED_BEFORE, word_embedding_scale
 
 NOT_RECORDED = "not recorded"
 FACTS_FILE = "training_facts.json"
@@ -239,16 +239,10 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
         **{k: config.get(k, NOT_RECORDED) for k in (
             "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
             "max_position_embeddings", "position_embedding_type")},
-        word_embedding_scale=_word_embedding_scale(config),
+        word_embedding_scale=round(word_embedding_scale(
+            config.get("scale_word_embeddings", SAVED_BEFORE["scale_word_embeddings"]),
+            config.get("position_embedding_type"), config["hidden_size"]), 4) if "hidden_size" in config else None,
     )
-
-
-def _word_embedding_scale(config: dict):
-    """√hidden_size when a config.json's word embeddings are scaled (`scale_word_embeddings`; absent: 0.3.x, unscaled)."""
-    scale = config.get("scale_word_embeddings", False)
-    if scale is None:
-        scale = config.get("position_embedding_type") == "sinusoidal"
-    return round(config["hidden_size"] ** 0.5, 4) if scale and "hidden_size" in config else None
 
 
 def _transformers_pipelines() -> list[str]:

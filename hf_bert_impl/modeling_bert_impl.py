@@ -203,8 +203,8 @@ class BertImplEmbeddings(nn.Module):
         """ids: (b, s), position_ids (b|1, s), inputs_embeds (b, s, H) -> (b, s, H)."""
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)  # (b, s, H)
-        if self.config.word_embedding_scale != 1.0:  # √d_model of [1] §3.4
-            inputs_embeds = inputs_embeds * self.config.word_embedding_scale
+        if (scale := self.config.word_embedding_scale) != 1.0:  # √d_model of [1] §3.4
+            inputs_embeds = inputs_embeds * scale
         s, dtype = inputs_embeds.size(1), self.word_embeddings.weight.dtype
         built = position_ids is None  # then the positions are 0 .. s-1, known without reading them
         if built:
