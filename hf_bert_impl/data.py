@@ -29,9 +29,10 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
-from transformers import BertTokenizerFast, DataCollatorForLanguageModeling, TrainerCallback
+from transformers import BertTokenizerFast, TrainerCallback
 
 from .cli import UsageError
+from .compat import bert_tokenizer_from_vocab, language_modeling_collator
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 IGNORE_INDEX = -100
@@ -204,7 +205,7 @@ def train_wordpiece_tokenizer(texts, vocab_size: int = 8000, min_frequency: int 
     )
     tok.train_from_iterator(strings(), trainer=trainer)
     # BertTokenizerFast builds the same normalizer / pre-tokenizer / post-processor from the vocabulary.
-    return BertTokenizerFast(vocab=tok.get_vocab(), do_lower_case=True)
+    return bert_tokenizer_from_vocab(tok.get_vocab(), do_lower_case=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,47 +290,74 @@ def nsp_examples(dataset, tokenizer, max_seq_length: int, seed: int, text_column
 
 
 class MLMCollator:
-    """Masks batches with `DataCollatorForLanguageModeling` (15% of tokens; of those 80% [MASK], 10%
-    random, 10% unchanged; whole words with `whole_word_mask=True`); examples that already carry
-    "labels" (masked once by `mask_once`) are only padded, so evaluation sees the same masks every
-    time and runs that must compare (gradient accumulation, many processes) see the same batches."""
+    """Masks batches with `DataCollatorForLanguageModeling`'s own masking (`mlm_probability` of the
+    tokens; of those 80% [MASK], 10% random, 10% unchanged; whole words with `whole_word_mask=True`);
+    examples that already carry "labels" (masked once by `mask_once`) are only padded, so evaluation
+    sees the same masks every time and runs that must compare see the same batches.
+
+    With a `seed`, batch k is masked from one generator seeded with (seed, k), in one vectorised draw
+    over the global batch: `world_size` processes of `len(features)` examples each, `max_length`
+    columns (the batch's width when None). Process `rank` keeps its slice of that draw. So:
+    - N processes with per-device batch B mask the examples of a global batch exactly as one process
+      with batch N*B does (accelerate hands rank r the r-th slice), and
+    - a resumed run (`MaskingResumeCallback` sets k) masks every batch as the uninterrupted run did,
+      whatever the data loader prefetched before the checkpoint.
+    The cost is one masking call of the library per batch (the draw covers N*B rows, so a process of
+    N pays for the draws of N; drawing is a small part of the call)."""
 
     def __init__(self, tokenizer, mlm_probability: float = 0.15, whole_word_mask: bool = False, pad_to_multiple_of=None,
-                 seed: int | None = None, rank: int = 0):
-        self.tokenizer = tokenizer
-        self.mlm = DataCollatorForLanguageModeling(
-            tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask,
-            pad_to_multiple_of=pad_to_multiple_of,
-        )
-        # With a seed, example j of this process's batch k is masked from its own seed
-        # (seed, k, rank * batch + j) instead of the global RNG: a resumed run (`MaskingResumeCallback`
-        # sets k) masks every batch as the uninterrupted run did, whatever the data loader prefetched
-        # before the checkpoint; and N processes with per-device batch B mask the examples of a global
-        # batch exactly as one process with batch N*B does (accelerate hands rank r the r-th slice).
-        self.seed, self.rank, self.batches_made = seed, rank, 0
+                 seed: int | None = None, rank: int = 0, world_size: int = 1, max_length: int | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not a process of world_size {world_size}")
+        self.tokenizer, self.pad_to_multiple_of, self.max_length = tokenizer, pad_to_multiple_of, max_length
+        self.mlm = language_modeling_collator(tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask,
+                                              pad_to_multiple_of=pad_to_multiple_of)
+        self.seed, self.rank, self.world_size, self.batches_made = seed, rank, world_size, 0
 
     def __call__(self, features):
-        if "labels" not in features[0]:
-            if self.seed is None:
-                return self.mlm(features)
-            k, first = self.batches_made, self.rank * len(features)
-            self.batches_made += 1
-            masked = []
-            for j, f in enumerate(features):
-                example_seed = np.random.SeedSequence([self.seed, k, first + j]).generate_state(1)[0]
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(int(example_seed))
-                    one = self.mlm([f])  # one example: no padding, so its mask depends on it alone
-                rest = {c: v for c, v in f.items() if c not in ("input_ids", "special_tokens_mask", "offset_mapping")}
-                masked.append({**rest, "input_ids": one["input_ids"][0].tolist(), "labels": one["labels"][0].tolist()})
-            features = masked
-        labels = [list(f["labels"]) for f in features]
-        rest = [{k: v for k, v in f.items() if k not in ("labels", "special_tokens_mask", "offset_mapping")}
-                for f in features]
-        batch = self.tokenizer.pad(rest, return_tensors="pt")
+        if "labels" not in features[0] and self.seed is None:
+            return self.mlm(features)
+        labels = [list(f["labels"]) for f in features] if "labels" in features[0] else None
+        drop = ("labels", "offset_mapping") if labels is not None else ("labels", "offset_mapping", "special_tokens_mask")
+        batch = self.tokenizer.pad([{k: v for k, v in f.items() if k not in drop} for f in features],
+                                   return_tensors="pt", pad_to_multiple_of=self.pad_to_multiple_of)
         width = batch["input_ids"].shape[1]
-        batch["labels"] = torch.tensor([l + [IGNORE_INDEX] * (width - len(l)) for l in labels])
+        if labels is not None:  # masked once already: pad the labels too
+            batch["labels"] = torch.tensor([l + [IGNORE_INDEX] * (width - len(l)) for l in labels])
+            return batch
+        special = batch.pop("special_tokens_mask", None)
+        offsets = None
+        if self.mlm.whole_word_mask:
+            offsets = torch.zeros(len(features), width, 2, dtype=torch.long)
+            for i, f in enumerate(features):
+                offsets[i, : len(f["offset_mapping"])] = torch.as_tensor(f["offset_mapping"], dtype=torch.long)
+        batch["input_ids"], batch["labels"] = self.mask(batch["input_ids"], special, offsets)
         return batch
+
+    def mask(self, input_ids, special_tokens_mask=None, offset_mapping=None):
+        """(input_ids, labels) of this process's (b, width) batch: batch `batches_made` of the global draw."""
+        b, width = input_ids.shape
+        cols = self.max_length or width
+        if width > cols:
+            raise ValueError(f"a batch of width {width} is wider than the collator's max_length {cols}")
+        if special_tokens_mask is None:
+            special_tokens_mask = torch.tensor([self.tokenizer.get_special_tokens_mask(row, already_has_special_tokens=True)
+                                                for row in input_ids.tolist()])
+        rows = slice(self.rank * b, (self.rank + 1) * b)
+        # The global batch; other processes' rows hold padding. A draw depends only on its place in the
+        # (world_size * b, cols) grid, never on the values of the other rows.
+        ids = torch.full((self.world_size * b, cols), self.tokenizer.pad_token_id, dtype=input_ids.dtype)
+        special = torch.ones_like(ids)
+        ids[rows, :width], special[rows, :width] = input_ids, special_tokens_mask
+        offsets = None
+        if offset_mapping is not None:
+            offsets = torch.zeros(self.world_size * b, cols, 2, dtype=torch.long)
+            offsets[rows, :width] = offset_mapping
+        key = int(np.random.SeedSequence([self.seed, self.batches_made]).generate_state(1)[0])
+        self.batches_made += 1
+        self.mlm.generator = torch.Generator().manual_seed(key)
+        masked, labels = self.mlm.torch_mask_tokens(ids, special_tokens_mask=special, offset_mapping=offsets)
+        return masked[rows, :width].contiguous(), labels[rows, :width].contiguous()
 
 
 def tokenize_documents(dataset, tokenizer, max_seq_length: int, text_column: str = "text", num_proc=None, desc=""):
@@ -423,9 +451,8 @@ class MaskingResumeCallback(TrainerCallback):
 def mask_once(dataset, tokenizer, seed: int, mlm_probability: float = 0.15, whole_word_mask: bool = False):
     """Static masking (as the original BERT data pipeline): apply the MLM masking once, with a fixed
     seed, and store input_ids and labels in the dataset."""
-    collator = DataCollatorForLanguageModeling(
-        tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask, seed=seed, return_tensors="np"
-    )
+    collator = language_modeling_collator(tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask,
+                                          seed=seed, return_tensors="np")
 
     def apply(batch):
         keys = [k for k in batch if k != "labels"]
@@ -441,6 +468,69 @@ def mask_once(dataset, tokenizer, seed: int, mlm_probability: float = 0.15, whol
     # The masking inputs are spent once the labels are stored.
     spent = [c for c in ("special_tokens_mask", "offset_mapping") if c in dataset.column_names]
     return dataset.map(apply, batched=True, remove_columns=spent, desc="Masking once (static)")
+
+
+def unigram_loss(train_blocks, eval_masked, vocab_size: int) -> float:
+    """The loss of a model that ignores context: the cross-entropy of the held-out masked tokens (`eval_masked`'s
+    labels) under the training blocks' token frequencies (add-one smoothed). exp() of it is the baseline a
+    pretraining's perplexity is read against; a model that has learned nothing about context sits there."""
+    counts = np.bincount(np.concatenate([np.asarray(row) for row in train_blocks["input_ids"]]), minlength=vocab_size) + 1.0
+    logp = np.log(counts / counts.sum())
+    labels = np.concatenate([np.asarray(row) for row in eval_masked["labels"]])
+    return float(-logp[labels[labels != IGNORE_INDEX]].mean())
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmarks' second corpus
+
+
+def stdlib_docstrings() -> list[str]:
+    """The docstrings of the Python standard library's public modules, classes and functions (English prose that ships
+    with every CPython), one paragraph per text, each distinct paragraph once, in a fixed order."""
+    import importlib
+    import inspect
+    import pkgutil
+    import warnings
+
+    skip = ("test", "idlelib", "tkinter", "turtle", "turtledemo", "this", "antigravity", "lib2to3", "ensurepip", "venv",
+            "pydoc_data", "__phello__", "msilib", "xxsubtype")
+    texts, seen = [], set()
+    for name in sorted(m.name for m in pkgutil.iter_modules() if m.module_finder.path.startswith(sys.base_prefix)):
+        if name.startswith("_") or name in skip:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001  a module this platform cannot import (msvcrt, ...): not part of the corpus
+            continue
+        objects = [module] + [obj for _, obj in sorted(vars(module).items())
+                              if not _.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))]
+        for obj in objects:
+            doc = inspect.getdoc(obj) or ""
+            for paragraph in doc.split("\n\n"):
+                text = " ".join(paragraph.split())
+                if len(text.split()) >= 6 and text[-1] in ".:;!?)" and ">>>" not in text and text not in seen:
+                    seen.add(text)
+                    texts.append(text)
+    return texts
+
+
+def benchmark_corpus(name: str) -> tuple[datasets.Dataset, datasets.Dataset, str]:
+    """The benchmarks' corpora: "embedded" (`default_corpus_dataset`), "stdlib_docstrings" (`stdlib_docstrings`) or
+    a text file (one text per line) -> (train, held-out) datasets with a "text" column and a description.
+    Held-out: every tenth text (embedded: whole topics)."""
+    if name == "embedded":
+        raw = default_corpus_dataset()
+        return raw["train"], raw["validation"], DEFAULT_CORPUS_NAME
+    if name == "stdlib_docstrings":
+        texts, description = stdlib_docstrings(), f"docstrings of the Python {sys.version_info.major}.{sys.version_info.minor} standard library"
+    else:
+        texts = [t for t in load_data_files(train_file=name)["train"]["text"] if isinstance(t, str) and t.strip()]
+        description = name
+    held = set(range(0, len(texts), 10))
+    split = {k: [t for i, t in enumerate(texts) if (i in held) == (k == "validation")] for k in ("train", "validation")}
+    return datasets.Dataset.from_dict({"text": split["train"]}), datasets.Dataset.from_dict({"text": split["validation"]}), description
 
 
 # ----------------------------------------------------------------------------------------------

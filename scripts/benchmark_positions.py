@@ -24,14 +24,11 @@ against steps, one line per variant and seed).
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
-import platform
 import shutil
 import tempfile
 import time
 
-import datasets
 import numpy as np
 import torch
 from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
@@ -47,61 +44,6 @@ VARIANTS = {  # config fields of ours (None: transformers' BertForMaskedLM)
     "ours-learned": dict(position_embedding_type="learned"),
     "transformers": None,
 }
-
-
-def stdlib_docstrings() -> list[str]:
-    """The docstrings of the Python standard library's public modules, classes and functions (English prose that ships
-    with every CPython), one paragraph per text, each distinct paragraph once, in a fixed order."""
-    import importlib
-    import pkgutil
-    import sys
-    import warnings
-
-    skip = ("test", "idlelib", "tkinter", "turtle", "turtledemo", "this", "antigravity", "lib2to3", "ensurepip", "venv",
-            "pydoc_data", "__phello__", "msilib", "xxsubtype")
-    texts, seen = [], set()
-    for name in sorted(m.name for m in pkgutil.iter_modules() if m.module_finder.path.startswith(sys.base_prefix)):
-        if name.startswith("_") or name in skip:
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                module = importlib.import_module(name)
-        except Exception:  # noqa: BLE001  a module this platform cannot import (msvcrt, ...): not part of the corpus
-            continue
-        objects = [module] + [obj for _, obj in sorted(vars(module).items())
-                              if not _.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))]
-        for obj in objects:
-            doc = inspect.getdoc(obj) or ""
-            for paragraph in doc.split("\n\n"):
-                text = " ".join(paragraph.split())
-                if len(text.split()) >= 6 and text[-1] in ".:;!?)" and ">>>" not in text and text not in seen:
-                    seen.add(text)
-                    texts.append(text)
-    return texts
-
-
-def load_corpus(name: str) -> tuple[datasets.Dataset, datasets.Dataset, str]:
-    """(train, held-out) text datasets and a description. Held-out: every tenth text (embedded: whole topics)."""
-    if name == "embedded":
-        raw = D.default_corpus_dataset()
-        return raw["train"], raw["validation"], D.DEFAULT_CORPUS_NAME
-    if name == "stdlib_docstrings":
-        texts, description = stdlib_docstrings(), f"docstrings of the Python {platform.python_version()} standard library"
-    else:
-        texts = [t for t in D.load_data_files(train_file=name)["train"]["text"] if isinstance(t, str) and t.strip()]
-        description = name
-    held = set(range(0, len(texts), 10))
-    split = {k: [t for i, t in enumerate(texts) if (i in held) == (k == "validation")] for k in ("train", "validation")}
-    return datasets.Dataset.from_dict({"text": split["train"]}), datasets.Dataset.from_dict({"text": split["validation"]}), description
-
-
-def unigram_loss(train_blocks, eval_masked, vocab_size: int) -> float:
-    """Cross-entropy of the held-out masked tokens under the training blocks' token frequencies (add-one smoothed)."""
-    counts = np.bincount(np.asarray(train_blocks["input_ids"]).ravel(), minlength=vocab_size) + 1.0
-    logp = np.log(counts / counts.sum())
-    labels = np.concatenate([np.asarray(row) for row in eval_masked["labels"]])
-    return float(-logp[labels[labels != D.IGNORE_INDEX]].mean())
 
 
 def build_model(variant: str, size: dict, vocab_size: int, max_len: int, dropout: float):
@@ -158,13 +100,13 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    train_text, eval_text, description = load_corpus(args.corpus)
+    train_text, eval_text, description = D.benchmark_corpus(args.corpus)
     tokenizer = D.train_wordpiece_tokenizer(train_text["text"], vocab_size=args.vocab_size)
     train_blocks = D.tokenize_and_group(train_text, tokenizer, args.max_seq_length, desc="train")
     eval_blocks = D.tokenize_and_group(eval_text, tokenizer, args.max_seq_length, desc="held-out")
     eval_masked = D.mask_once(eval_blocks, tokenizer, seed=1234)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
-    unigram = unigram_loss(train_blocks, eval_masked, len(tokenizer))
+    unigram = D.unigram_loss(train_blocks, eval_masked, len(tokenizer))
     print(f"corpus: {description}; {len(train_blocks)} training / {len(eval_masked)} held-out blocks of "
           f"{args.max_seq_length}; unigram loss {unigram:.3f}")
 

@@ -11,10 +11,15 @@ Copy-paste commands:
     # the dry run on the CPU: the same tests on small sizes, the benchmark with --size tiny (about a minute)
     bash scripts/gpu_check.sh --device cpu --json out/gpu_check_dry_run.json
 
-`--only tests` or `--only benchmark` reruns one part (the JSON then holds that part only).
+`--only tests`, `--only benchmark` or `--only fsdp` reruns one part (the JSON then holds that part only).
 
-Exit status: 0 when every test passed (skips allowed only where flash-attn is not importable) and every
-benchmark ran with its output checks passing; 1 otherwise; 2 on bad arguments. The speed targets
+The FSDP part (CUDA only): scripts/pretrain_mlm.py for 20 steps under `accelerate launch --num_processes 1
+--use_fsdp --fsdp_version 2` (the encoder layers as the wrap unit, bf16), then the saved model is reloaded. The
+dry run records the command and skips it: accelerate 1.15 applies FSDP only on accelerators and on a CPU
+silently trains with DDP instead, which would prove nothing (tests/test_fsdp.py shards on the CPU directly).
+
+Exit status: 0 when every test passed (skips allowed only where flash-attn is not importable), every
+benchmark ran with its output checks passing and (CUDA) the FSDP run trained and reloaded; 1 otherwise; 2 on bad arguments. The speed targets
 (`GPU_TARGETS`) are reported, met or missed, and do not change the exit status: they are measurements.
 """
 
@@ -40,9 +45,11 @@ GPU_TARGETS = {"fixed": 1.1, "mixed": 2.0, "mlm": 1.3, "mlm_dense": 1.0}
 MFU_TARGET = ("fixed", 512, 0.50)  # ours, fixed length, sequence 512
 # Per device: benchmark sizes and time limits (seconds). The CPU dry run keeps the same steps, small.
 PLANS = {
-    "cuda": dict(size="base", seq_lens=(128, 512), batch_size=32, extra=[], tests_timeout=270, bench_timeout=100),
-    "cpu": dict(size="tiny", seq_lens=(16, 24), batch_size=2,
-                extra=["--pairs", "1", "--warmup", "0", "--memory", "false", "--peak_n", "256"], tests_timeout=240, bench_timeout=120),
+    "cuda": dict(size="base", seq_lens=(128, 512), batch_size=32, extra=[], tests_timeout=270, bench_timeout=100,
+                 fsdp_timeout=300),
+    "cpu": dict(size="tiny", seq_lens=(8, 16), batch_size=2,
+                extra=["--pairs", "1", "--warmup", "0", "--memory", "false", "--peak_n", "256"], tests_timeout=240, bench_timeout=120,
+                fsdp_timeout=0),
 }
 
 
@@ -50,12 +57,12 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="write the whole result (versions, tests, benchmarks) here")
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (its dry run)")
-    parser.add_argument("--only", default="all", help="all (default), tests or benchmark: rerun one part")
+    parser.add_argument("--only", default="all", help="all (default), tests, benchmark or fsdp: rerun one part")
     args = parser.parse_args(argv)
     if args.device not in PLANS:
         parser.error(f"--device must be cuda or cpu, got {args.device!r}")
-    if args.only not in ("all", "tests", "benchmark"):
-        parser.error(f"--only must be all, tests or benchmark, got {args.only!r}")
+    if args.only not in ("all", "tests", "benchmark", "fsdp"):
+        parser.error(f"--only must be all, tests, benchmark or fsdp, got {args.only!r}")
     parent = Path(args.json).resolve().parent
     if parent.exists() and not parent.is_dir():
         parser.error(f"--json {args.json!r}: {parent} is not a directory")
@@ -142,6 +149,59 @@ def run_benchmark(device: str, plan: dict, seq_len: int, backends: str, timeout:
     return result
 
 
+FSDP_STEPS = 20
+
+
+def fsdp_command(out_dir: Path) -> list[str]:
+    """One GPU, one process, FSDP2 through accelerate (docs/training.md, "Scaling out", has the multi-GPU forms)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+            "--mixed_precision", "bf16", "--dynamo_backend", "no", "--use_fsdp", "--fsdp_version", "2",
+            "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "BertImplLayer",
+            "--fsdp_state_dict_type", "FULL_STATE_DICT", "scripts/pretrain_mlm.py", "--output_dir", str(out_dir),
+            "--model_size", "tiny", "--max_steps", str(FSDP_STEPS), "--per_device_train_batch_size", "16",
+            "--max_seq_length", "128", "--learning_rate", "1e-3", "--bf16", "--logging_steps", "1",
+            "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
+
+
+def run_fsdp(device: str, timeout: int, work: Path) -> dict:
+    """The FSDP2 training run (CUDA), its per-step losses, and a reload of what it saved; skipped on the CPU."""
+    out = work / "fsdp"
+    cmd = fsdp_command(out)
+    shown = "python " + " ".join(cmd[1:]).replace(str(out), "out/fsdp")
+    if device != "cuda":
+        return {"command": shown, "skipped": "CUDA only: accelerate 1.15 applies FSDP on accelerators alone (on a "
+                "CPU it silently trains with DDP); tests/test_fsdp.py shards on the CPU with fully_shard directly"}
+    print("$ " + shown, flush=True)
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+        rc, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, log = "timeout", str(e.stdout or "") + str(e.stderr or "")
+    print(log[-4000:], flush=True)
+    result = {"command": shown, "returncode": rc, "wall_s": round(time.time() - t0, 1), "log_tail": log[-2000:]}
+    state = out / "trainer_state.json"
+    if rc == 0 and state.is_file():
+        result["losses"] = [h["loss"] for h in json.loads(state.read_text())["log_history"] if "loss" in h]
+        check = subprocess.run([sys.executable, "-c", (
+            "import sys, hf_bert_impl, torch; from transformers import AutoModelForMaskedLM;"
+            "m = AutoModelForMaskedLM.from_pretrained(sys.argv[1]); ids = torch.randint(5, 100, (2, 16));"
+            "out = m(input_ids=ids).logits; assert torch.isfinite(out).all(), 'non-finite logits'; print(type(m).__name__)"),
+            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        result["reload"] = check.stdout.strip() if check.returncode == 0 else "failed: " + check.stderr[-1000:]
+    return result
+
+
+def fsdp_problems(fsdp: dict | None) -> list[str]:
+    if fsdp is None or "skipped" in fsdp:
+        return []
+    losses = fsdp.get("losses") or []
+    if fsdp["returncode"] != 0 or len(losses) != FSDP_STEPS:
+        return [f"fsdp: returncode {fsdp['returncode']}, {len(losses)} of {FSDP_STEPS} steps logged"]
+    problems = [] if all(l == l and abs(l) < float("inf") for l in losses) else [f"fsdp: non-finite losses {losses}"]
+    return problems + ([] if fsdp.get("reload") == "BertImplForMaskedLM" else [f"fsdp: reload {fsdp.get('reload')}"])
+
+
 def targets(benchmarks: dict) -> list[dict]:
     """Each (sequence, backend, workload) against GPU_TARGETS, and the MFU target."""
     rows = []
@@ -171,7 +231,7 @@ def main(argv=None) -> int:
     print("environment: " + json.dumps(info), flush=True)
     result = {"command": "bash scripts/gpu_check.sh " + " ".join(sys.argv[1:] if argv is None else argv),
               "device": args.device, "environment": info, "plan": {k: v for k, v in plan.items()}}
-    result["tests"], result["benchmarks"] = None, {}
+    result["tests"], result["benchmarks"], result["fsdp"] = None, {}, None
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         if args.only in ("all", "tests"):
@@ -182,6 +242,10 @@ def main(argv=None) -> int:
         for seq_len in plan["seq_lens"] if args.only in ("all", "benchmark") else ():
             result["benchmarks"][str(seq_len)] = run_benchmark(
                 args.device, plan, seq_len, backends, plan["bench_timeout"], work)
+        if args.only in ("all", "fsdp"):
+            result["fsdp"] = run_fsdp(args.device, plan["fsdp_timeout"], work)
+            print("fsdp: " + (result["fsdp"].get("skipped") or f"returncode {result['fsdp']['returncode']}, "
+                              f"losses {result['fsdp'].get('losses')}, reload {result['fsdp'].get('reload')}"), flush=True)
     result["targets"] = targets(result["benchmarks"])
     print("\nours / transformers (bf16, median of interleaved pairs); targets are the GPU proof's:")
     for t in result["targets"]:
@@ -202,6 +266,7 @@ def main(argv=None) -> int:
             problems.append(f"tests skipped that must run here: {bad_skips}")
     problems += [f"benchmark seq {s}: returncode {b['returncode']}" for s, b in result["benchmarks"].items()
                  if b["returncode"] != 0 or "result" not in b]
+    problems += fsdp_problems(result["fsdp"])
     result["problems"] = problems
     result["ok"] = not problems
     result["wall_s"] = round(time.time() - t0, 1)

@@ -44,11 +44,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
 from hf_bert_impl import SIZE_PRESETS, BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining
 from hf_bert_impl import cli
 from hf_bert_impl import data as D
+from hf_bert_impl.budget import UNBOUNDED_MAX_STEPS, TimeBudget, remove_step_progress_bar
 
 logger = logging.getLogger("pretrain_mlm")
 
@@ -111,6 +113,21 @@ class DataArguments:
         default=False,
         metadata={"help": "One sequence per text (long texts cut into pieces) instead of fixed blocks that run across "
                           "texts; each batch is packed into one row without padding (DataCollatorWithFlattening)."},
+    )
+
+
+@dataclass
+class BudgetArguments:
+    time_budget: float | None = field(
+        default=None,
+        metadata={"help": "Train for this many minutes of training time (evaluation and saving not counted) instead of a "
+                          "step count: the learning-rate schedule (--lr_scheduler_type, --warmup_steps or --warmup_ratio) "
+                          "is laid over the time, and the run stops at the first step past it and saves as usual. "
+                          "--max_steps, when given too, still caps the steps."},
+    )
+    eval_every_minutes: float | None = field(
+        default=None,
+        metadata={"help": "With --time_budget: evaluate every so many minutes of training time (and at the end)."},
     )
 
 
@@ -266,17 +283,26 @@ def build_model(model_args: ModelArguments, tokenizer, nsp: bool):
 
 
 def preprocess_logits_for_metrics(logits, labels):
-    """Keep only argmax ids: the full (b, s, V) logits of a whole evaluation set would not fit in memory."""
+    """Keep only argmax ids: the full (b, s, V) logits of a whole evaluation set would not fit in memory.
+
+    With sparse prediction the logits are (n, V), one row per labelled position: their ids go back to a
+    (b, s) grid (-100 elsewhere), since Trainer cuts the last batch's predictions by rows of the batch."""
     if isinstance(logits, tuple):  # BertImplForPreTraining: (prediction_logits, seq_relationship_logits)
-        return logits[0].argmax(-1), logits[1].argmax(-1)
-    return logits.argmax(-1)
+        return _on_label_grid(logits[0].argmax(-1), labels), logits[1].argmax(-1)
+    return _on_label_grid(logits.argmax(-1), labels)
+
+
+def _on_label_grid(ids, labels):
+    labels = labels[0] if isinstance(labels, (tuple, list)) else labels
+    if ids.dim() != 1 or labels is None or ids.shape == labels.shape:
+        return ids
+    grid = torch.full(labels.shape, D.IGNORE_INDEX, dtype=ids.dtype, device=ids.device)
+    grid[labels != D.IGNORE_INDEX] = ids
+    return grid
 
 
 def compute_metrics(eval_pred):
-    """masked_accuracy: share of masked positions whose argmax is the original token (+ nsp_accuracy).
-
-    With sparse prediction the predictions are already one per masked position, in the row-major
-    order of `labels != -100` (batches are concatenated in order, so the order holds across them)."""
+    """masked_accuracy: share of masked positions whose argmax is the original token (+ nsp_accuracy)."""
     preds, labels = eval_pred.predictions, eval_pred.label_ids
     metrics = {}
     if isinstance(preds, tuple):
@@ -288,17 +314,16 @@ def compute_metrics(eval_pred):
     if not mask.any():
         metrics["masked_accuracy"] = float("nan")
         return metrics
-    masked_preds = preds if preds.ndim == 1 else preds[mask]
-    if masked_preds.shape[0] != int(mask.sum()):
-        raise ValueError(f"{masked_preds.shape[0]} predictions for {int(mask.sum())} masked positions")
-    metrics["masked_accuracy"] = float((masked_preds == labels[mask]).mean())
+    if preds.shape != labels.shape:
+        raise ValueError(f"predictions of shape {preds.shape} for labels of shape {labels.shape}")
+    metrics["masked_accuracy"] = float((preds[mask] == labels[mask]).mean())
     return metrics
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the pretraining; returns the final evaluation metrics (empty without validation data)."""
-    model_args, data_args, training_args = cli.parse_script_arguments(
-        (ModelArguments, DataArguments, TrainingArguments), argv, logger
+    model_args, data_args, budget_args, training_args = cli.parse_script_arguments(
+        (ModelArguments, DataArguments, BudgetArguments, TrainingArguments), argv, logger
     )
     if data_args.nsp and data_args.whole_word_mask:
         raise cli.UsageError("--whole_word_mask is supported for MLM blocks only, not with --nsp")
@@ -306,11 +331,21 @@ def main(argv: list[str] | None = None) -> dict:
         raise cli.UsageError(f"--mlm_probability must lie in (0, 1), got {data_args.mlm_probability}")
 
     resume = cli.resolve_resume_argument(training_args)
+    budget = None
+    if budget_args.time_budget is not None:
+        if not budget_args.time_budget > 0:
+            raise cli.UsageError(f"--time_budget must be a positive number of minutes, got {budget_args.time_budget}")
+        interval = budget_args.eval_every_minutes
+        if interval is not None and not interval > 0:
+            raise cli.UsageError(f"--eval_every_minutes must be a positive number of minutes, got {interval}")
+        budget = TimeBudget(budget_args.time_budget * 60, eval_interval=interval and interval * 60, resume_from=resume)
+        if training_args.max_steps <= 0:  # Trainer loops over the data for max_steps; the budget ends the run
+            training_args.max_steps = UNBOUNDED_MAX_STEPS
 
     set_seed(training_args.seed)
     raw, dataset_source = load_raw_data(data_args, training_args.seed)
     if data_args.streaming and training_args.max_steps <= 0:
-        raise cli.UsageError("--streaming needs --max_steps: a stream has no length to count epochs in")
+        raise cli.UsageError("--streaming needs --max_steps or --time_budget: a stream has no length to count epochs in")
     if data_args.pack_sequences and data_args.nsp:
         raise cli.UsageError("--pack_sequences packs MLM sequences; next-sentence prediction (--nsp) reads one pair per row")
     if data_args.pack_sequences and data_args.whole_word_mask:
@@ -364,6 +399,8 @@ def main(argv: list[str] | None = None) -> dict:
     if data_args.static_masking:
         train = D.mask_once(train, tokenizer, training_args.seed, data_args.mlm_probability, data_args.whole_word_mask)
 
+    if budget_args.eval_every_minutes is not None and (budget is None or evaluation is None):
+        raise cli.UsageError("--eval_every_minutes needs --time_budget and validation data")
     model = build_model(model_args, tokenizer, data_args.nsp)
     logger.info("model: %s, %.2fM parameters, %s training examples of %d tokens", type(model).__name__,
                 model.num_parameters() / 1e6, "streamed" if data_args.streaming else len(train), data_args.max_seq_length)
@@ -372,8 +409,11 @@ def main(argv: list[str] | None = None) -> dict:
     # the model's forward does not take; every column of these datasets is meant for the collator or model.
     training_args.remove_unused_columns = False
 
+    # Masks drawn per batch from (seed, batch number) over the global batch: resumed and multi-process
+    # runs mask as one uninterrupted process does.
     collator = D.MLMCollator(tokenizer, data_args.mlm_probability, data_args.whole_word_mask,
-                             seed=training_args.seed, rank=training_args.process_index)
+                             seed=training_args.seed, rank=training_args.process_index,
+                             world_size=training_args.world_size, max_length=data_args.max_seq_length)
     if data_args.pack_sequences:
         collator = D.PackedMLMCollator(collator)
     trainer = Trainer(
@@ -383,10 +423,12 @@ def main(argv: list[str] | None = None) -> dict:
         eval_dataset=evaluation,
         processing_class=tokenizer,
         data_collator=collator,
-        callbacks=[D.MaskingResumeCallback(collator, resume)],
+        callbacks=[D.MaskingResumeCallback(collator, resume), *([budget] if budget else [])],
         compute_metrics=compute_metrics if evaluation is not None else None,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics if evaluation is not None else None,
     )
+    if budget is not None:
+        remove_step_progress_bar(trainer)  # its total is max_steps; the budget's bar counts seconds
     # The decoder runs on masked positions only while training; save_pretrained writes the flag as False
     # (checkpoint-N included), so every saved model returns full logits.
     model.config.sparse_prediction = model_args.sparse_prediction
@@ -397,6 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
     if evaluation is not None:
         eval_metrics = trainer.evaluate()
         eval_metrics["perplexity"] = math.exp(eval_metrics["eval_loss"]) if eval_metrics["eval_loss"] < 700 else float("inf")
+        if not data_args.streaming:  # the baseline: a model that ignores context (token frequencies of the training data)
+            eval_metrics["unigram_perplexity"] = math.exp(D.unigram_loss(train, evaluation, len(tokenizer)))
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
 
@@ -415,9 +459,13 @@ def main(argv: list[str] | None = None) -> dict:
             "streaming": data_args.streaming,
             "pack_sequences": data_args.pack_sequences,
             "model_size": None if model_args.model_name_or_path or model_args.config_name else model_args.model_size,
+            "time_budget_minutes": budget_args.time_budget,
+            **({"max_steps": trainer.state.global_step} if budget else {}),  # the steps the budget allowed
         },
-        metrics={**{k: v for k, v in eval_metrics.items() if k in ("eval_loss", "eval_masked_accuracy", "eval_nsp_accuracy", "perplexity")},
-                 "train_loss": metrics.get("train_loss")},
+        metrics={**{k: v for k, v in eval_metrics.items() if k in ("eval_loss", "eval_masked_accuracy", "eval_nsp_accuracy", "perplexity",
+                                                                "unigram_perplexity")},
+                 "train_loss": metrics.get("train_loss"),
+                 **({"training_seconds": round(budget.elapsed(), 1)} if budget else {})},
         dataset_split="validation" if evaluation is not None else None,
     )
     if out:

@@ -26,12 +26,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" install -e "$root[test]"
   echo "$want" > "$stamp"
 fi
-# Other transformers releases for tests/test_compat.py (the Hub files under 4.57.x and 5.0), only for the
-# test suite (scripts/test.sh sets WITH_COMPAT=1; about 0.4 GB, once): side installs used through
-# PYTHONPATH, next to this venv's torch (never reinstalled). --no-deps: their other requirements
-# (numpy, safetensors, ...) come from the venv; each pins the huggingface_hub, tokenizers and datasets
-# (Trainer imports it; with the httpx it needs) of its time. 4.56.2 checks the too-old-version error.
-# A stamp (.spec) per folder makes a rerun a no-op.
+# Other transformers releases for tests/test_compat.py (the Hub files, and the package's scripts, conversion
+# and card rendering, under 4.57.x and 5.0), only for the test suite (scripts/test.sh sets WITH_COMPAT=1;
+# about 0.4 GB, once): side installs used through PYTHONPATH, next to this venv's torch (never reinstalled).
+# --no-deps: their other requirements (numpy, safetensors, ...) come from the venv; each brings the
+# huggingface_hub, tokenizers and datasets (Trainer imports it; with the httpx it needs) of its time, the
+# versions pyproject.toml's floors name: 4.57 requires huggingface_hub<1.0 (0.36.0 here), 5.0.0 >=1.3.0.
+# 4.56.2 checks the too-old-version error. A stamp (.spec) per folder makes a rerun a no-op.
 if [ "${WITH_COMPAT:-0}" = 1 ]; then
   for spec in "transformers==4.57.6 huggingface_hub==0.36.0 tokenizers==0.22.1 datasets==4.4.1 httpx==0.28.1 httpcore==1.0.9" \
               "transformers==5.0.0 huggingface_hub==1.3.0 tokenizers==0.22.1 datasets==4.4.1 httpx==0.28.1 httpcore==1.0.9" \

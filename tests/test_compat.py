@@ -10,11 +10,19 @@ subprocess per version does every check (start-up dominates):
      (masked LM, whose loss takes num_items_in_batch, and sequence classification, a mean loss);
   3. the trained model saved under that version loads in the package (this venv's transformers) and
      gives the outputs that version computed.
+  4. 4.57.6 and 5.0.0 only (PACKAGE_PART, in the same subprocess, after the checks above): the package
+     itself (pyproject: transformers>=4.57,<6) with the huggingface_hub, tokenizers and datasets of that
+     release, now importable. scripts/pretrain_mlm.py, scripts/finetune.py and scripts/convert_checkpoint.py
+     run through their main(argv), then the model-card rendering and the push's dry run (hf_bert_impl.hub)
+     and the whole-word-masking collator (hf_bert_impl.compat); this process checks what they wrote.
 An older transformers (4.56.2) must get one ImportError naming the version needed.
 """
 
+import functools
 import json
+import math
 import os
+import time
 
 import pytest
 import torch
@@ -120,7 +128,7 @@ def _mlm_rows(vocab, n=16, seq=7):
 
 
 @pytest.mark.parametrize("version", list(VERSIONS))
-def test_remote_code_under_transformers_version(version, debug_config, batch, tmp_path):
+def test_remote_code_under_transformers_version(version, debug_config, batch, minilm_dir, tmp_path):
     env = _side_install(version)
     input_ids, attention_mask, token_type_ids = batch
     plain = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
@@ -142,11 +150,19 @@ def test_remote_code_under_transformers_version(version, debug_config, batch, tm
     ]
     (tmp_path / "out").mkdir()
     job = dict(inputs=str(tmp_path / "inputs.pt"), heads=heads, train=train, out=str(tmp_path / "out"))
+    code = CHILD.format(job=str(tmp_path / "job.json"))
+    if version in PACKAGE_VERSIONS:  # part 2: the package's scripts, in the same interpreter
+        (tmp_path / "pkg").mkdir()
+        job["package"] = dict(out=str(tmp_path / "pkg"), repo=str(REPO_ROOT), minilm=str(minilm_dir), texts=PROBE_TEXTS)
+        code += PACKAGE_PART
     (tmp_path / "job.json").write_text(json.dumps(job))
+    started = time.time()
     proc = run_without_package(
-        CHILD.format(job=str(tmp_path / "job.json")), cwd=tmp_path, timeout=600,
-        env_extra={"HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1", **env},
+        code, cwd=tmp_path, timeout=600,
+        env_extra={"HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
+                   "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", **env},
     )
+    wall = time.time() - started
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     import transformers
@@ -191,6 +207,12 @@ def test_remote_code_under_transformers_version(version, debug_config, batch, tm
         for key in then:
             assert (now[key] - then[key]).abs().max().item() <= TOL, (auto, key)
 
+    # 4. the package itself under that version (part 2)
+    if version in PACKAGE_VERSIONS:
+        _check_package_run(version, env, tmp_path / "pkg", wall)
+    else:
+        print(f"  subprocess {wall:.1f} s")
+
 
 def _flat(out):
     res = {}
@@ -231,3 +253,232 @@ def test_package_checks_the_same_floor():
     require_transformers("5.0.0rc1")
     with pytest.raises(ImportError, match=r"needs transformers>=4\.57\.0 .* transformers 4\.56\.2 is installed"):
         require_transformers("4.56.2")
+
+
+# ----------------------------------------------------------------------------------------------
+# The package (scripts, conversion, Hub helpers) under 4.57.6 and 5.0.0: part 2 of the same subprocess
+
+PACKAGE_VERSIONS = ["4.57.6", "5.0.0"]  # this venv's 5.x: tests/test_scripts.py, test_convert.py, test_hub.py
+CONVERT_TOL = 1e-5  # the conversion's float32 tolerance (tests/test_convert.py)
+PROBE_TEXTS = ["The with statement is used to wrap the execution of a block.",
+               "An assignment statement evaluates the expression list and assigns the single resulting object."]
+
+# Appended to CHILD for the PACKAGE_VERSIONS, so that a version costs one interpreter start. It unblocks
+# hf_bert_impl and puts the repository first on sys.path, then runs the scripts through their main(argv).
+# Everything it finds goes into job["package"]["out"]/report.json; tensors into *.pt files beside it.
+PACKAGE_PART = r"""
+# ---- part 2: the package itself, importable from here on (part 1 above ran with hf_bert_impl blocked)
+import importlib.util, math, time
+from pathlib import Path
+start = time.time()
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_Block"]  # conftest.run_without_package's blocker
+sys.path.insert(0, job["package"]["repo"])
+sys.stdout = sys.stderr  # the scripts print their metrics; the last line of stdout stays part 1's report
+job = job["package"]
+out, repo = Path(job["out"]), Path(job["repo"])
+import datasets, huggingface_hub, tokenizers
+mods = (transformers, huggingface_hub, tokenizers, datasets)
+report = {"versions": {m.__name__: m.__version__ for m in mods}, "files": {m.__name__: m.__file__ for m in mods}}
+import hf_bert_impl
+from hf_bert_impl import BertImplModel, compat, hub
+report["package"] = hf_bert_impl.__file__
+from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer, BertModel
+
+def script(name):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", repo / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+pretrain, finetune, convert = script("pretrain_mlm"), script("finetune"), script("convert_checkpoint")
+FAST = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1", "--seed", "5",
+        "--save_strategy", "no"]
+report["import_s"] = time.time() - start  # the package and the scripts; torch and transformers came in part 1
+
+def losses(run_dir):
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    return state["global_step"], [h["loss"] for h in state["log_history"] if "loss" in h]
+
+# 1. pretraining: the embedded corpus, a WordPiece tokenizer trained on it, debug size, whole-word masking, a time
+#    budget (its schedule and callback; --max_steps 3 ends the run first), evaluation
+t = time.time()
+metrics = pretrain.main(["--output_dir", str(out / "mlm"), "--model_size", "debug", "--tokenizer_vocab_size", "300",
+                         "--max_seq_length", "32", "--max_steps", "3", "--per_device_train_batch_size", "4",
+                         "--max_eval_samples", "8", "--whole_word_mask", "--time_budget", "5", *FAST])
+steps, train_losses = losses(out / "mlm")
+report["pretrain"] = {"metrics": metrics, "steps": steps, "losses": train_losses, "s": time.time() - t}
+tokenizer = AutoTokenizer.from_pretrained(out / "mlm")
+model = AutoModelForMaskedLM.from_pretrained(out / "mlm").eval()
+enc = tokenizer(job["texts"], padding=True, return_tensors="pt")
+with torch.no_grad():
+    torch.save({"input_ids": enc["input_ids"], "logits": model(**enc).logits}, out / "mlm_reloaded.pt")
+report["mlm_class"] = type(model).__module__ + "." + type(model).__name__
+
+# 2. whole-word masking (compat.language_modeling_collator), seeded, on the trained tokenizer
+enc = tokenizer(job["texts"][0], return_offsets_mapping=True, return_special_tokens_mask=True)
+collator = compat.language_modeling_collator(tokenizer, mlm_probability=0.5, whole_word_mask=True, seed=3)
+batch = collator([dict(enc)])
+report["wwm"] = {"input_ids": batch["input_ids"][0].tolist(), "labels": batch["labels"][0].tolist(),
+                 "offsets": [list(o) for o in enc["offset_mapping"]], "original": enc["input_ids"],
+                 "mask_id": tokenizer.mask_token_id}
+
+# 3. fine-tuning the pretrained model on the embedded statement-topic task, 2 steps, validation + test
+t = time.time()
+metrics = finetune.main(["--model_name_or_path", str(out / "mlm"), "--output_dir", str(out / "cls"), "--max_steps", "2",
+                         "--max_train_samples", "32", "--per_device_train_batch_size", "8",
+                         "--per_device_eval_batch_size", "64", "--max_seq_length", "32", *FAST])
+steps, train_losses = losses(out / "cls")
+report["finetune"] = {"metrics": metrics, "steps": steps, "losses": train_losses, "s": time.time() - t}
+tokenizer = AutoTokenizer.from_pretrained(out / "cls")
+model = AutoModelForSequenceClassification.from_pretrained(out / "cls").eval()
+rows = [json.loads(line) for line in (out / "cls" / "predictions.jsonl").read_text().splitlines()[:8]]
+enc = tokenizer([r["sentence"] for r in rows], padding=True, truncation=True, return_tensors="pt")
+with torch.no_grad():
+    torch.save({"sentences": [r["sentence"] for r in rows], "logits": model(**enc).logits}, out / "cls_reloaded.pt")
+report["predictions"] = [r["prediction"] for r in rows]
+
+# 4. the model card (rendered by finish_run above), rendered and checked again; the push's dry run and its offline refusal
+card = hub.build_model_card(out / "cls")
+hub.validate_model_card(card, out / "cls")
+report["card_same_as_saved"] = str(card) == (out / "cls" / "README.md").read_text(encoding="utf-8")
+report["upload"] = hub.push_model_dir(out / "cls", "alice/bert-impl-cls", dry_run=out / "upload")
+try:
+    hub.push_model_dir(out / "cls", "alice/bert-impl-cls", token="hf_not_a_token")
+    report["offline_push"] = "no error"
+except ValueError as err:
+    report["offline_push"] = str(err)
+
+# 5. conversion both ways through the script: all-MiniLM-L6-v2 -> bert_impl -> transformers BERT
+t = time.time()
+report["convert_rc"] = [convert.main(["--from-hf", job["minilm"], "--out", str(out / "impl")]),
+                        convert.main(["--to-hf", str(out / "impl"), "--out", str(out / "back")])]
+tokenizer = AutoTokenizer.from_pretrained(job["minilm"])
+enc = tokenizer(job["texts"], padding=True, return_tensors="pt")
+keep = enc["attention_mask"].bool()
+original = BertModel.from_pretrained(job["minilm"]).eval()
+models = {"impl": BertImplModel.from_pretrained(out / "impl").eval(), "back": BertModel.from_pretrained(out / "back").eval()}
+with torch.no_grad():
+    want = original(**enc)
+    report["convert"] = {}
+    for name, m in models.items():
+        got = m(**enc)
+        report["convert"][name] = {
+            "last_hidden_state": (got.last_hidden_state - want.last_hidden_state)[keep].abs().max().item(),
+            "pooler_output": (got.pooler_output - want.pooler_output).abs().max().item(),
+        }
+state, back = original.state_dict(), models["back"].state_dict()
+report["convert_back_exact"] = sorted(k for k in state if k not in back or not torch.equal(state[k], back[k]))
+report["convert_s"] = time.time() - t
+report["total_s"] = time.time() - start
+(out / "report.json").write_text(json.dumps(report))
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_corpus_tokenizer():
+    """The WordPiece tokenizer pretrain_mlm.py trains on the embedded corpus (vocab 300), trained here by
+    this venv's transformers (5.x builds it from the vocabulary dict; 4.57 through compat's vocab.txt)."""
+    from hf_bert_impl.data import default_corpus_dataset, train_wordpiece_tokenizer
+
+    return train_wordpiece_tokenizer(default_corpus_dataset()["train"]["text"], vocab_size=300)
+
+
+def _words(offsets):
+    """Token positions grouped into words: a token that starts where the previous one ended continues its word."""
+    words, end = [], None
+    for i, (a, b) in enumerate(offsets):
+        if a == b:  # a special token
+            end = None
+            continue
+        if end is not None and a == end:
+            words[-1].append(i)
+        else:
+            words.append([i])
+        end = b
+    return words
+
+
+def _check_package_run(version, env, out, wall):
+    """pyproject.toml promises transformers>=4.57,<6. Under 4.57.6 (huggingface_hub 0.36) and 5.0.0
+    (huggingface_hub 1.3), PACKAGE_PART pretrained and fine-tuned through the scripts: the saved models
+    reload here with the outputs that version computed; the card rendered the same twice and parses here;
+    the dry-run push wrote the Hub folder; MiniLM converted both ways within 1e-5; whole-word masking
+    drew this venv's masks."""
+    from huggingface_hub import ModelCard
+    from transformers import AutoTokenizer
+
+    from hf_bert_impl import BertImplForMaskedLM, BertImplForSequenceClassification
+    from hf_bert_impl.compat import language_modeling_collator
+
+    report = json.loads((out / "report.json").read_text())
+
+    # the versions promised, from the side install; the package from this repository
+    hub_version = {"4.57.6": "0.36.0", "5.0.0": "1.3.0"}[version]
+    assert report["versions"]["transformers"] == version and report["versions"]["huggingface_hub"] == hub_version, report
+    for name, path in report["files"].items():
+        assert path.startswith(env["PYTHONPATH"]), (name, path)
+    assert report["package"].startswith(str(REPO_ROOT / "hf_bert_impl")), report["package"]
+
+    # 1. pretraining: 3 finite training losses, a finite evaluation; the tokenizer is the one this venv trains
+    pre = report["pretrain"]
+    assert pre["steps"] == 3 and len(pre["losses"]) == 3 and all(math.isfinite(x) for x in pre["losses"]), pre
+    assert math.isfinite(pre["metrics"]["eval_loss"]) and 0.0 <= pre["metrics"]["eval_masked_accuracy"] <= 1.0, pre
+    assert math.isclose(pre["metrics"]["perplexity"], math.exp(pre["metrics"]["eval_loss"]), rel_tol=1e-9)
+    assert report["mlm_class"] == "hf_bert_impl.modeling_bert_impl.BertImplForMaskedLM"
+    tokenizer = AutoTokenizer.from_pretrained(out / "mlm")
+    assert tokenizer.get_vocab() == _embedded_corpus_tokenizer().get_vocab()
+    then = torch.load(out / "mlm_reloaded.pt")
+    enc = tokenizer(PROBE_TEXTS, padding=True, return_tensors="pt")
+    assert torch.equal(enc["input_ids"], then["input_ids"])
+    with torch.no_grad():
+        now = BertImplForMaskedLM.from_pretrained(out / "mlm").eval()(**enc).logits
+    assert torch.isfinite(now).all() and (now - then["logits"]).abs().max().item() <= TOL
+
+    # 2. whole-word masking: only [MASK], whole words, and the masks this venv draws from the same seed
+    wwm = report["wwm"]
+    masked = [i for i, label in enumerate(wwm["labels"]) if label != -100]
+    assert masked, wwm
+    assert all(wwm["input_ids"][i] == wwm["mask_id"] and wwm["labels"][i] == wwm["original"][i] for i in masked)
+    words = _words(wwm["offsets"])
+    assert any(len(w) > 1 for w in words)
+    assert all(all(i in masked for i in w) or not any(i in masked for i in w) for w in words), (words, masked)
+    here = language_modeling_collator(tokenizer, mlm_probability=0.5, whole_word_mask=True, seed=3)(
+        [dict(tokenizer(PROBE_TEXTS[0], return_offsets_mapping=True, return_special_tokens_mask=True))])
+    assert here["labels"][0].tolist() == wwm["labels"] and here["input_ids"][0].tolist() == wwm["input_ids"]
+
+    # 3. fine-tuning: finite losses and metrics; the saved classifier reloads here with that version's
+    #    logits, whose argmax is the prediction the script wrote
+    ft = report["finetune"]
+    assert ft["steps"] == 2 and len(ft["losses"]) == 2 and all(math.isfinite(x) for x in ft["losses"]), ft
+    for key in ("eval_accuracy", "test_accuracy"):
+        assert 0.0 <= ft["metrics"][key] <= 1.0, ft
+    then = torch.load(out / "cls_reloaded.pt")
+    tokenizer = AutoTokenizer.from_pretrained(out / "cls")
+    model = BertImplForSequenceClassification.from_pretrained(out / "cls").eval()
+    with torch.no_grad():
+        now = model(**tokenizer(then["sentences"], padding=True, truncation=True, return_tensors="pt")).logits
+    assert (now - then["logits"]).abs().max().item() <= TOL
+    assert [model.config.id2label[i] for i in now.argmax(-1).tolist()] == report["predictions"]
+
+    # 4. the card: rendered the same twice, parses here, and its model-index holds the run's metrics
+    assert report["card_same_as_saved"]
+    card = ModelCard.load(out / "cls" / "README.md")
+    facts = json.loads((out / "cls" / "training_facts.json").read_text())
+    assert card.data.pipeline_tag == "text-classification"
+    indexed = {r.metric_name: r.metric_value for r in card.data.eval_results}
+    assert "eval_accuracy" in indexed and indexed == facts["metrics"], (indexed, facts["metrics"])
+    assert {"model.safetensors", "config.json", "modeling_bert_impl.py", "configuration_bert_impl.py", "README.md",
+            "tokenizer.json", "loss_curve.png"} <= set(report["upload"]), report["upload"]
+    assert report["offline_push"].startswith("HF_HUB_OFFLINE is set"), report["offline_push"]
+
+    # 5. conversion both ways: within the conversion tolerance of the original, and back to it exactly
+    assert report["convert_rc"] == [0, 0]
+    for name, diffs in report["convert"].items():
+        assert max(diffs.values()) <= CONVERT_TOL, (name, diffs)
+    assert report["convert_back_exact"] == [], report["convert_back_exact"]
+
+    print(f"  the package under {version} (huggingface_hub {hub_version}): subprocess {wall:.1f} s, of which part 2 "
+          f"{report['total_s']:.1f} s (imports {report['import_s']:.1f}, pretrain {pre['s']:.1f}, finetune {ft['s']:.1f}, "
+          f"convert {report['convert_s']:.1f}); "
+          f"conversion max|Δ| {max(max(d.values()) for d in report['convert'].values()):.1e}")

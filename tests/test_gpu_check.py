@@ -77,10 +77,31 @@ def test_dry_run_benchmarks_both_lengths_in_bf16_with_checks_and_targets(dry_run
     assert "targets are the GPU proof's" in stdout
 
 
+@pytest.mark.slow
+def test_dry_run_records_the_fsdp_command_and_skips_it_without_cuda(dry_run):
+    """The FSDP part runs on CUDA only (accelerate 1.15 applies FSDP on accelerators alone); the dry run still builds
+    the one-GPU command a GPU run executes, and an FSDP run's problems are reported."""
+    result, stdout = dry_run
+    fsdp = result["fsdp"]
+    assert "CUDA only" in fsdp["skipped"] and "fsdp: CUDA only" in stdout
+    for flag in ("--num_processes 1", "--use_fsdp", "--fsdp_version 2", "--fsdp_transformer_layer_cls_to_wrap BertImplLayer",
+                 "scripts/pretrain_mlm.py", "--max_steps 20", "--bf16"):
+        assert flag in fsdp["command"], (flag, fsdp["command"])
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    ok = {"returncode": 0, "losses": [7.0] * gpu_check.FSDP_STEPS, "reload": "BertImplForMaskedLM"}
+    assert gpu_check.fsdp_problems(ok) == [] and gpu_check.fsdp_problems(fsdp) == []
+    assert gpu_check.fsdp_problems({**ok, "losses": [float("nan")] * gpu_check.FSDP_STEPS})
+    assert gpu_check.fsdp_problems({**ok, "returncode": 1}) and gpu_check.fsdp_problems({**ok, "reload": "failed: x"})
+
+
 @pytest.mark.parametrize("args,message", [
     (["--device", "tpu", "--json", "x.json"], "--device must be cuda or cpu, got 'tpu'"),
     (["--device", "cpu"], "the following arguments are required: --json"),
-    (["--device", "cpu", "--json", "x.json", "--only", "speed"], "--only must be all, tests or benchmark, got 'speed'"),
+    (["--device", "cpu", "--json", "x.json", "--only", "speed"], "--only must be all, tests, benchmark or fsdp, got 'speed'"),
 ])
 def test_bad_arguments_are_one_line_errors_with_exit_2(args, message):
     proc = run_check(*args, timeout=120)
