@@ -57,7 +57,11 @@ PIPELINE_TAGS = ("feature-extraction", "fill-mask", "text-classification", "toke
 LOCAL_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".safetensors", ".bin")
 # Trainer bookkeeping that is not a quality measurement (metric-name suffixes): kept out of the
 # model-index (the Hub's leaderboards read the model-index) and out of fine-tuning's split metrics.
-BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch", "total_flos", "step")
+BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch", "total_flos", "step",
+                        "training_seconds")
+# Baselines a run reports beside its own metrics (pretrain_mlm.py's perplexity of a model blind to context):
+# shown in the card's table, kept out of the model-index, which holds the model's own results.
+BASELINE_PREFIXES = ("unigram_",)
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,8 +279,8 @@ _SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "inte
 
 
 def _is_quality_metric(name: str) -> bool:
-    """A metric that belongs in the model-index: not Trainer's bookkeeping, not a training-set number."""
-    return not name.endswith(BOOKKEEPING_SUFFIXES) and not name.startswith("train_")
+    """A metric that belongs in the model-index: not Trainer's bookkeeping, not a training-set number, not a baseline."""
+    return not name.endswith(BOOKKEEPING_SUFFIXES) and not name.startswith(("train_", *BASELINE_PREFIXES))
 
 
 def validate_model_card(card: ModelCard, model_dir: str | os.PathLike) -> None:

@@ -15,7 +15,9 @@ which goes first.
 
 Reports, per seed and over the seeds: held-out MLM loss at the budget, steps run, and time-to-accuracy:
 the share of the budget ours needs to reach transformers' final held-out loss (interpolated between
-evaluations; its inverse is the speed-up in time-to-accuracy). Also two checks that make the race mean
+evaluations; its inverse is the speed-up in time-to-accuracy); then each pretrained model is fine-tuned
+with the same settings on the embedded statement-topic task (`--finetune_epochs`; accuracy and MCC on its
+test split). Also two checks that make the race mean
 something:
 - collator cost: the per-batch cost of the scripts' masking collator (`hf_bert_impl.data.MLMCollator`,
   seeded) over `DataCollatorForLanguageModeling`'s, on batches of this corpus (must stay <= 1.5x);
@@ -37,6 +39,7 @@ both models, every seed). Exit status 1 when a check fails (collator cost or par
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import sys
@@ -93,8 +96,6 @@ def run_ours(args, seed: int, files, tokenizer_dir: Path, out: Path) -> dict:
     for key, value in common.items():
         argv += [f"--{key}", str(value)]
     pretrain_mlm.main(argv)
-    import json
-
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     return {"curve": curve_of(history), "steps": max(row["step"] for row in history)}
 
@@ -125,7 +126,34 @@ def run_transformers(args, seed: int, files, tokenizer, out: Path) -> dict:
     trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=held_out,
                       data_collator=D.MLMCollator(tokenizer, seed=None), callbacks=[budget])
     trainer.train()
+    trainer.save_model()
     return {"curve": curve_of(trainer.state.log_history), "steps": trainer.state.global_step}
+
+
+def finetune(args, seed: int, model_dir: Path, name: str, tokenizer) -> dict:
+    """Fine-tunes the pretrained model on the embedded statement-topic task (the demo's; fixed splits) with the
+    same settings for both models; accuracy and Matthews correlation on its test split."""
+    from sklearn.metrics import accuracy_score, matthews_corrcoef
+    from transformers import BertForSequenceClassification, DataCollatorWithPadding
+
+    from hf_bert_impl import BertImplForSequenceClassification
+
+    task = D.statement_topic_task(seed=0).map(
+        lambda batch: tokenizer(batch["sentence"], truncation=True, max_length=48), batched=True,
+        remove_columns=["sentence"])
+    model_class = BertImplForSequenceClassification if name == "ours" else BertForSequenceClassification
+    model = model_class.from_pretrained(model_dir, num_labels=2)
+    training_args = TrainingArguments(
+        output_dir=str(model_dir / "finetune"), num_train_epochs=args.finetune_epochs, per_device_train_batch_size=32,
+        per_device_eval_batch_size=128, learning_rate=args.finetune_learning_rate, warmup_steps=0.1, weight_decay=0.01,
+        save_strategy="no", report_to="none", use_cpu=True, seed=seed, disable_tqdm=True)
+    trainer = Trainer(model=model, args=training_args, train_dataset=task["train"],
+                      data_collator=DataCollatorWithPadding(tokenizer))
+    trainer.train()
+    prediction = trainer.predict(task["test"])
+    predicted, labels = prediction.predictions.argmax(-1), prediction.label_ids
+    return {"accuracy": float(accuracy_score(labels, predicted)), "mcc": float(matthews_corrcoef(labels, predicted)),
+            "test_sentences": len(labels)}
 
 
 def time_to_reach(curve: list[dict], target: float) -> float | None:
@@ -208,6 +236,7 @@ def summarize(runs: dict, budget: float) -> dict:
             "ours_seconds_to_transformers_final_loss": reach,
             "share_of_budget": None if reach is None else reach / budget,
             "time_to_accuracy_speedup": None if not reach else budget / reach,
+            "ours_finetune": ours.get("finetune"), "transformers_finetune": theirs.get("finetune"),
         })
     shares = [s["share_of_budget"] for s in per_seed]
     return {
@@ -215,6 +244,8 @@ def summarize(runs: dict, budget: float) -> dict:
         "mean_final_loss": {name: float(np.mean([r["curve"][-1]["eval_loss"] for r in rs])) for name, rs in runs.items()},
         "mean_steps": {name: float(np.mean([r["steps"] for r in rs])) for name, rs in runs.items()},
         "ours_lower_final_loss_every_seed": all(s["ours_final_loss"] < s["transformers_final_loss"] for s in per_seed),
+        "mean_finetune": {name: {k: float(np.mean([r["finetune"][k] for r in rs])) for k in ("accuracy", "mcc")}
+                          for name, rs in runs.items() if all("finetune" in r for r in rs)},
         "worst_share_of_budget": None if None in shares else max(shares),
         "worst_time_to_accuracy_speedup": None if None in shares else budget / max(s * budget for s in shares),
     }
@@ -232,12 +263,15 @@ def plot(report: dict, path: str) -> None:
         for j, run in enumerate(runs):
             ax.plot([p["seconds"] for p in run["curve"]], [p["eval_loss"] for p in run["curve"]], color=f"C{i}",
                     marker="o", markersize=2.5, alpha=0.85, label=f"{label} ({len(runs)} seeds)" if j == 0 else None)
+    target = report["summary"]["mean_final_loss"]["transformers"]
+    ax.axhline(target, color="C1", linestyle=":", linewidth=1, label=f"transformers' mean loss at the budget ({target:.3f})")
     ax.set_xlabel("training seconds (evaluation not counted)")
     ax.set_ylabel("held-out masked-LM loss")
     m = report["machine"]
     ax.set_title(f"{report['model_size']} model ({report['size']['num_hidden_layers']}x{report['size']['hidden_size']}), "
                  f"seq {report['settings']['max_seq_length']}, batch {report['settings']['batch_size']}; "
-                 f"{report['corpus'][:48]}\n{m['cpu']}, {m['torch_threads']} threads", fontsize=8.5)
+                 f"corpus: {report['settings']['corpus_name']}\n{m['cpu']}, {m['torch_threads']} threads, "
+                 f"hf-bert-impl {report['version']}", fontsize=8.5)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -257,6 +291,9 @@ def main(argv=None) -> int:
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--warmup_ratio", type=float, default=0.1, help="warm-up as a share of the budget's time")
     parser.add_argument("--vocab_size", type=int, default=8192)
+    parser.add_argument("--finetune_epochs", type=float, default=3.0,
+                        help="fine-tune each pretrained model on the statement-topic task for so many epochs (0: skip)")
+    parser.add_argument("--finetune_learning_rate", type=float, default=3e-4)
     parser.add_argument("--parity_steps", type=int, default=20, help="steps of the parity check (0: skip it)")
     parser.add_argument("--parity_tolerance", type=float, default=1e-5)
     parser.add_argument("--out", default="outputs/pretraining_race", help="writes OUT.json and OUT.png")
@@ -287,16 +324,21 @@ def main(argv=None) -> int:
                 result = (run_ours(args, seed, files, tmp / "tokenizer", out) if name == "ours"
                           else run_transformers(args, seed, files, tokenizer, out))
                 result["seed"] = seed
+                if args.finetune_epochs:
+                    result["finetune"] = finetune(args, seed, out, name, tokenizer)
                 runs[name].append(result)
                 last = result["curve"][-1]
                 print(f"seed {seed} {name:12s}: {result['steps']} steps in {last['seconds']:.0f} s, held-out loss "
-                      + " ".join(f"{p['seconds']:.0f}s:{p['eval_loss']:.3f}" for p in result["curve"]))
+                      + " ".join(f"{p['seconds']:.0f}s:{p['eval_loss']:.3f}" for p in result["curve"])
+                      + (f"; fine-tuned: accuracy {result['finetune']['accuracy']:.4f}, MCC {result['finetune']['mcc']:.4f}"
+                         if "finetune" in result else ""))
 
     report = {
         "what": "pretraining race: held-out masked-LM loss against training seconds, ours (defaults) vs transformers' "
                 "BertForMaskedLM (run_mlm.py's recipe), the same budget", "version": __version__,
         "corpus": description, "model_size": args.model_size, "size": SIZE_PRESETS[args.model_size],
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "corpus")},
+        "settings": {**{k: v for k, v in vars(args).items() if k not in ("out", "corpus")},
+                     "corpus_name": Path(args.corpus).name},
         "training_blocks": len(blocks), "held_out_blocks": len(held_out),
         "collator_cost": cost, "parity": parity, "summary": summarize(runs, args.budget),
         "machine": cli.machine_record(), "runs": runs,
@@ -312,6 +354,8 @@ def main(argv=None) -> int:
         share = row["share_of_budget"]
         print(f"seed {row['seed']}: ours reaches transformers' final loss {row['transformers_final_loss']:.3f} "
               + ("never" if share is None else f"at {share:.2f} of the budget ({1 / share:.2f}x time-to-accuracy)"))
+    for name, scores in s["mean_finetune"].items():
+        print(f"fine-tuned from {name}: mean test accuracy {scores['accuracy']:.4f}, MCC {scores['mcc']:.4f}")
     print(f"wrote {args.out}.json and {args.out}.png")
     failed = cost["ratio"] > COLLATOR_COST_LIMIT or (parity is not None and not parity["passed"])
     return 1 if failed else 0

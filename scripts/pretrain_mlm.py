@@ -6,6 +6,11 @@ Copy-paste commands (offline; with no data option the embedded corpus is used, s
     python scripts/pretrain_mlm.py --output_dir out/mlm-tiny --model_size tiny --max_steps 600 \
         --per_device_train_batch_size 32 --learning_rate 1e-3 --warmup_steps 60 --max_seq_length 64 --use_cpu
 
+    # the best model 10 minutes of training can give: the schedule is laid over the time, warm-up 5% of it,
+    # held-out loss every minute (evaluation time not counted)
+    python scripts/pretrain_mlm.py --output_dir out/mlm-10min --model_size mini --time_budget 10 --warmup_steps 0.05 \
+        --eval_every_minutes 1 --per_device_train_batch_size 32 --learning_rate 1e-3 --use_cpu
+
     # your files (txt: one text per line; csv / json / jsonl / parquet: a "text" column), a BERT tokenizer
     python scripts/pretrain_mlm.py --output_dir out/mlm --train_file train.txt --validation_file dev.txt \
         --tokenizer_name bert-base-uncased --model_size small --num_train_epochs 3 --bf16
@@ -26,8 +31,9 @@ Copy-paste commands (offline; with no data option the embedded corpus is used, s
 
     # data-parallel over N processes (GPUs; on a CPU-only machine N gloo processes), FSDP, resume
     accelerate launch --multi_gpu --num_processes 2 scripts/pretrain_mlm.py --output_dir out/ddp --max_steps 600
-    accelerate launch --use_fsdp --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \
+    accelerate launch --use_fsdp --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \
         --fsdp_transformer_layer_cls_to_wrap BertImplLayer --num_processes 2 scripts/pretrain_mlm.py --output_dir out/fsdp
+    # (FSDP needs GPUs: on a CPU-only machine accelerate trains with DDP instead; docs/training.md "Scaling out")
     python scripts/pretrain_mlm.py --output_dir out/mlm-tiny --max_steps 600 --resume_from_checkpoint true
 
 Every `TrainingArguments` option works (--bf16, --gradient_checkpointing, --torch_compile, --save_steps,
