@@ -318,7 +318,8 @@ class MLMCollator:
         if "labels" not in features[0] and self.seed is None:
             return self.mlm(features)
         labels = [list(f["labels"]) for f in features] if "labels" in features[0] else None
-        drop = ("labels", "offset_mapping") if labels is not None else ("labels", "offset_mapping", "special_tokens_mask")
+        # Masked once already: only padded. To be masked: special_tokens_mask goes through (padding positions are 1).
+        drop = ("labels", "offset_mapping", "special_tokens_mask") if labels is not None else ("labels", "offset_mapping")
         batch = self.tokenizer.pad([{k: v for k, v in f.items() if k not in drop} for f in features],
                                    return_tensors="pt", pad_to_multiple_of=self.pad_to_multiple_of)
         width = batch["input_ids"].shape[1]

@@ -108,8 +108,11 @@ def test_the_masking_is_the_library_recipe(tokenizer, blocks):
 
 
 def test_the_collator_draws_as_data_collator_for_language_modeling_with_the_same_generator(tokenizer, blocks):
-    """One process: the draw is the library's `torch_mask_tokens` with a generator seeded from (seed, batch)."""
+    """One process: the draw is the library's `torch_mask_tokens` with a generator seeded from (seed, batch), on the
+    special-tokens mask the data holds ([UNK] pieces, special to the tokenizer, stay maskable as in the library)."""
     data = rows(blocks, 8)
+    for row in data[:2]:  # bodies of [UNK]: recomputing the mask from the ids would make them unmaskable
+        row["input_ids"] = [row["input_ids"][0]] + [tokenizer.unk_token_id] * 22 + [row["input_ids"][-1]]
     ours = D.MLMCollator(tokenizer, seed=11, max_length=24)
     key = int(np.random.SeedSequence([11, 0]).generate_state(1)[0])
     library = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
@@ -119,6 +122,7 @@ def test_the_collator_draws_as_data_collator_for_language_modeling_with_the_same
                                                               special_tokens_mask=batch["special_tokens_mask"])
     got = ours(data)
     assert torch.equal(got["input_ids"], expected_ids) and torch.equal(got["labels"], expected_labels)
+    assert (got["labels"][:2] == tokenizer.unk_token_id).any(), "no [UNK] was masked: the check above proves little"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
