@@ -100,7 +100,7 @@ class DataArguments:
         default=5, metadata={"help": "Percent of the training data held out when no validation split exists."}
     )
     max_seq_length: int = field(default=128, metadata={"help": "Block length in tokens, [CLS] and [SEP] included."})
-    mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked (80% [MASK], 10% random, 10% kept)."})
+    mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked (80%% [MASK], 10%% random, 10%% kept)."})
     whole_word_mask: bool = field(default=False, metadata={"help": "Mask whole words instead of single WordPieces."})
     static_masking: bool = field(
         default=False,
@@ -127,8 +127,8 @@ class BudgetArguments:
     time_budget: float | None = field(
         default=None,
         metadata={"help": "Train for this many minutes of training time (evaluation and saving not counted) instead of a "
-                          "step count: the learning-rate schedule (--lr_scheduler_type, --warmup_steps or --warmup_ratio) "
-                          "is laid over the time, and the run stops at the first step past it and saves as usual. "
+                          "step count: the learning-rate schedule (--lr_scheduler_type; --warmup_steps in steps, or below 1 a "
+                          "share of the time) is laid over the time, and the run stops at the first step past it and saves as usual. "
                           "--max_steps, when given too, still caps the steps."},
     )
     eval_every_minutes: float | None = field(

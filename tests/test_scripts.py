@@ -418,3 +418,12 @@ def test_saved_pretraining_output_returns_full_logits(tmp_path, pretrain):
                    "--save_strategy", "no", *FAST])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["sparse_prediction"] is False
+
+
+@pytest.mark.parametrize("name, option", [("pretrain_mlm", "--time_budget"), ("finetune", "--output_dir"),
+                                          ("benchmark_pretraining", "--budget")])
+def test_help_lists_the_options(name, option, capsys):
+    """`--help` prints every option (a bare % in a help text used to crash argparse's formatting)."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(name).main(["--help"])
+    assert exit_info.value.code == 0 and option in capsys.readouterr().out
