@@ -78,7 +78,7 @@ class TimeBudget(TrainerCallback):
 
     # -- the schedule -------------------------------------------------------------------------------
 
-    def _lay_schedule_over_time(self, args, state, scheduler, optimizer):
+    def _lay_schedule_over_time(self, args, scheduler):
         """Replace the step-based factors of Trainer's LambdaLR by time-based ones, in place."""
         import torch
         from transformers import get_scheduler
@@ -112,7 +112,7 @@ class TimeBudget(TrainerCallback):
 
     # -- Trainer events -----------------------------------------------------------------------------
 
-    def on_train_begin(self, args, state, control, lr_scheduler=None, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
         if self.resume_from is not None:
             path = Path(self.resume_from, STATE_FILE)
             if not path.is_file():
@@ -124,7 +124,7 @@ class TimeBudget(TrainerCallback):
         self.started = self.mark = self.clock()
         self.excluded, self.frozen = 0.0, None
         if lr_scheduler is not None:
-            self._lay_schedule_over_time(args, state, lr_scheduler, optimizer)
+            self._lay_schedule_over_time(args, lr_scheduler)
         if state.is_world_process_zero and not args.disable_tqdm:
             from tqdm.auto import tqdm
 

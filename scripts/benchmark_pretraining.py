@@ -100,13 +100,15 @@ def run_ours(args, seed: int, files, tokenizer_dir: Path, out: Path) -> dict:
     return {"curve": curve_of(history), "steps": max(row["step"] for row in history)}
 
 
-def held_out_and_blocks(args, seed: int, files, tokenizer):
-    """The blocks and the fixed held-out masking exactly as pretrain_mlm.py makes them."""
+def corpus_blocks(args, files, tokenizer):
+    """(training blocks, held-out blocks) exactly as pretrain_mlm.py makes them from the two files; the same for
+    every seed (a validation file is given, so no seeded split). Each seed masks the held-out blocks once with
+    seed + 1, as pretrain_mlm.py does."""
     raw, _ = pretrain_mlm.load_raw_data(
-        pretrain_mlm.DataArguments(train_file=str(files[0]), validation_file=str(files[1])), seed)
+        pretrain_mlm.DataArguments(train_file=str(files[0]), validation_file=str(files[1])), seed=0)
     train = D.tokenize_and_group(raw["train"], tokenizer, args.max_seq_length, desc="train")
     held_out = D.tokenize_and_group(raw["validation"], tokenizer, args.max_seq_length, desc="validation")
-    return train, D.mask_once(held_out, tokenizer, seed + 1)
+    return train, held_out
 
 
 def transformers_model(args, tokenizer, **overrides) -> BertForMaskedLM:
@@ -114,8 +116,8 @@ def transformers_model(args, tokenizer, **overrides) -> BertForMaskedLM:
     return BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **size, **overrides))
 
 
-def run_transformers(args, seed: int, files, tokenizer, out: Path) -> dict:
-    train, held_out = held_out_and_blocks(args, seed, files, tokenizer)
+def run_transformers(args, seed: int, train, held_out_blocks, tokenizer, out: Path) -> dict:
+    held_out = D.mask_once(held_out_blocks, tokenizer, seed + 1)
     torch.manual_seed(seed)  # Trainer seeds again before building nothing: the model is built here, as run_mlm.py does
     model = transformers_model(args, tokenizer)
     budget = TimeBudget(args.budget, eval_interval=args.budget / args.evaluations)
@@ -192,12 +194,11 @@ def collator_cost(train_blocks, tokenizer, batch_size: int, batches: int = 40) -
     return result
 
 
-def parity_check(args, files, tokenizer, steps: int) -> dict:
+def parity_check(args, train, tokenizer, steps: int) -> dict:
     """Ours as transformers' BERT (learned positions, unscaled embeddings, no dropout) from the same weights,
     through the same Trainer settings on the same masked batches: the per-step training losses."""
     from hf_bert_impl.convert import to_hf_bert
 
-    train, _ = held_out_and_blocks(args, 0, files, tokenizer)
     train = D.mask_once(train.select(range(min(len(train), steps * args.batch_size))), tokenizer, seed=0)
     torch.manual_seed(0)
     config = BertImplConfig.from_preset(args.model_size, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
@@ -306,12 +307,12 @@ def main(argv=None) -> int:
         train_texts = [t for t in files[0].read_text(encoding="utf-8").splitlines() if t.strip()]
         tokenizer = D.train_wordpiece_tokenizer(train_texts, vocab_size=args.vocab_size)
         tokenizer.save_pretrained(tmp / "tokenizer")
-        blocks, held_out = held_out_and_blocks(args, args.seeds[0], files, tokenizer)
+        blocks, held_out = corpus_blocks(args, files, tokenizer)
         print(f"corpus: {description}; {len(blocks)} training / {len(held_out)} held-out blocks of {args.max_seq_length}")
         cost = collator_cost(blocks, tokenizer, args.batch_size)
         print(f"collator cost per batch: ours {cost['ours_ms']:.2f} ms, DataCollatorForLanguageModeling "
               f"{cost['library_ms']:.2f} ms ({cost['ratio']:.2f}x; limit {COLLATOR_COST_LIMIT}x)")
-        parity = parity_check(args, files, tokenizer, args.parity_steps) if args.parity_steps else None
+        parity = parity_check(args, blocks, tokenizer, args.parity_steps) if args.parity_steps else None
         if parity:
             print(f"step-for-step parity over {parity['steps']} steps: max |loss difference| "
                   f"{parity['max_abs_loss_difference']:.2e} (tolerance {parity['tolerance']:.0e})")
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
             for name in order:
                 out = tmp / f"{name}-{seed}"
                 result = (run_ours(args, seed, files, tmp / "tokenizer", out) if name == "ours"
-                          else run_transformers(args, seed, files, tokenizer, out))
+                          else run_transformers(args, seed, blocks, held_out, tokenizer, out))
                 result["seed"] = seed
                 if args.finetune_epochs:
                     result["finetune"] = finetune(args, seed, out, name, tokenizer)

@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     resume = cli.resolve_resume_argument(training_args)
     budget = None
+    if budget_args.eval_every_minutes is not None and budget_args.time_budget is None:
+        raise cli.UsageError("--eval_every_minutes needs --time_budget (and validation data)")
     if budget_args.time_budget is not None:
         if not budget_args.time_budget > 0:
             raise cli.UsageError(f"--time_budget must be a positive number of minutes, got {budget_args.time_budget}")
@@ -405,8 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
     if data_args.static_masking:
         train = D.mask_once(train, tokenizer, training_args.seed, data_args.mlm_probability, data_args.whole_word_mask)
 
-    if budget_args.eval_every_minutes is not None and (budget is None or evaluation is None):
-        raise cli.UsageError("--eval_every_minutes needs --time_budget and validation data")
+    if budget_args.eval_every_minutes is not None and evaluation is None:
+        raise cli.UsageError("--eval_every_minutes needs validation data (--validation_file, or a split of the training data)")
     model = build_model(model_args, tokenizer, data_args.nsp)
     logger.info("model: %s, %.2fM parameters, %s training examples of %d tokens", type(model).__name__,
                 model.num_parameters() / 1e6, "streamed" if data_args.streaming else len(train), data_args.max_seq_length)
