@@ -4,13 +4,17 @@ Importing this package registers `BertImplConfig` with `AutoConfig` and every he
 class, so `AutoModelForMaskedLM.from_pretrained(dir)` works on our checkpoints without
 `trust_remote_code`; and it marks each class for the Hub, so `save_pretrained` / `push_to_hub`
 copy the code files and write `auto_map` for people who do not have this package.
+
+`kernelize(model)` puts the package's speed layer (kernels_bert_impl.py) on a loaded model; a model that is never
+kernelized runs the plain model file, as every trust_remote_code user does.
 """
 
 import transformers
 from transformers import AutoConfig
 
 from . import modeling_bert_impl
-from .configuration_bert_impl import AUTO_MAP, HEAD_TABLE, SIZE_PRESETS, BertImplConfig
+from .configuration_bert_impl import AUTO_MAP, SIZE_PRESETS, BertImplConfig
+from .heads import HEAD_TABLE
 from .modeling_bert_impl import (  # the heads by name, for editors; HEADS below is read off the table
     BertImplForMaskedLM,
     BertImplForMultipleChoice,
@@ -25,7 +29,9 @@ from .modeling_bert_impl import (  # the heads by name, for editors; HEADS below
     sinusoidal_position_encoding,
 )
 
-__version__ = "0.5.0"
+from .kernels_bert_impl import kernelize, kernelized
+
+__version__ = "0.6.0"
 
 # Auto class -> our head, read off the head table; both registrations below use it.
 HEADS = {getattr(transformers, head.auto_class): getattr(modeling_bert_impl, head.name) for head in HEAD_TABLE}
@@ -51,4 +57,6 @@ __all__ = [
     *(head.name for head in HEAD_TABLE),
     "BertImplForPreTrainingOutput",
     "sinusoidal_position_encoding",
+    "kernelize",
+    "kernelized",
 ]

@@ -28,7 +28,8 @@ import transformers
 from transformers import BertConfig
 
 from . import modeling_bert_impl
-from .configuration_bert_impl import HEAD_TABLE, BertImplConfig
+from .configuration_bert_impl import BertImplConfig
+from .heads import HEAD_TABLE
 from .hub import TOKENIZER_FILES
 from .modeling_bert_impl import BertImplModel, BertImplPreTrainedModel
 

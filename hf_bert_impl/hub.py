@@ -26,7 +26,8 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .configuration_bert_impl import AUTO_MAP, HEAD_TABLE, SAVED_BEFORE, word_embedding_scale
+from .configuration_bert_impl import AUTO_MAP, SAVED_BEFORE, word_embedding_scale
+from .heads import HEAD_TABLE
 
 NOT_RECORDED = "not recorded"
 FACTS_FILE = "training_facts.json"
@@ -38,7 +39,7 @@ TEMPLATE_PATH = next(
                  Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md") if p.is_file()),
     Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md",
 )
-CODE_FILES = ("checkpoint_bert_impl.py", "configuration_bert_impl.py", "kernels_bert_impl.py", "modeling_bert_impl.py")  # the Hub files
+CODE_FILES = ("configuration_bert_impl.py", "modeling_bert_impl.py")  # the Hub files
 # Tokenizer files copied verbatim when present: a fast tokenizer (tokenizer.json) or a WordPiece
 # vocabulary (vocab.txt) is required, the rest describes special tokens and the tokenizer class.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json",

@@ -1,72 +1,93 @@
-"""Speed paths of hf-bert-impl's BERT: kernels behind the named points of modeling_bert_impl.py.
+"""The speed layer of hf-bert-impl: faster kernels put on a loaded model from outside, with one call.
 
-The model file is the reference; each kernel here computes one of its steps faster on some machines and is tested
-against that step. modeling_bert_impl.py calls four points (linear, dropout, layout, attention), each of which answers
-None where its reference should run:
+    model = AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=True)
+    hf_bert_impl.kernelize(model)                # kernels="auto": each kernel measured against the plain model here
+    hf_bert_impl.kernelize(model, "reference")   # back to the plain model
 
-  point        kernels (names for `config.kernels`)         reference (modeling_bert_impl.py)
-  linear       "onednn_linear": oneDNN's GEMM (the one      act(F.linear(x, W, b)) (torch's BLAS, as nn.Linear)
-               torch.compile's CPU backend emits);
-               "fused_activation": GELU / ReLU inside
-               oneDNN's float32 GEMM (inference)
-  linear       "skip_zero_rows": the MLM decoder's backward   the full backward
-  (decoder)    skips positions without a label
-  dropout      "bits_dropout": masks from 32 random bits      F.dropout (torch's bernoulli_, element by element on
-               per element; training attention runs eager     most CPUs)
-               with them (SDPA's CPU kernels have no dropout)
-  layout,      "unpadded": the layers run on real tokens       the padded batch, masked
-  attention    only; attention per sequence
-               ("per_sequence_attention") or on a compact
-               masked grid ("grid_attention")
+The model file (modeling_bert_impl.py) is the plain model and the reference; it knows nothing of this file. `kernelize`
+replaces the `forward` of module instances (transformers' `kernelize` does the same), never their class, parameters or
+buffers, so a kernelized model saves exactly what the plain one saves, and a module another tool has replaced (a peft
+LoRA layer, a quantized linear) or hooked runs its own forward. The kernels, by the names `kernels=` takes:
 
-`config.kernels`: "auto" (default) measures, "reference" runs the model file alone, and a kernel name (or several,
-comma-separated) forces those kernels and runs the reference at every other point.
+  where                kernels                                          reference (the plain model)
+  nn.Linear            "onednn_linear": oneDNN's GEMM (the one          F.linear (torch's BLAS)
+                       torch.compile's CPU backend emits)
+  MLP, MLM head        "fused_activation": GELU / ReLU inside           act(Linear(x))
+                       oneDNN's float32 GEMM (inference)
+  MLM decoder          "skip_zero_rows": the backward skips rows        the full backward
+                       of positions without a label
+  nn.Dropout and       "bits_dropout": masks from 32 random bits        F.dropout (torch's bernoulli_, element by
+  attention dropout    per element (training attention runs the         element on most CPUs)
+                       formula with them)
+  encoder, attention   "unpadded": the layers run on real tokens        the padded batch, masked
+                       only; attention per sequence
+                       ("per_sequence_attention") or on a compact
+                       masked grid ("grid_attention")
+  MLM heads            `sparse_prediction=True`: with labels, the       logits (b, s, V)
+                       decoder runs on labelled positions only
+                       (logits (n, V), the same loss)
 
-"auto": the first time a point meets a (device, dtype, shape class) it times its candidates against the reference on
-that input (a warm-up and 3 timed calls each) and keeps the fastest of those that agree with the reference within the
-kernel's tolerance (`TOLERANCE`; a disagreeing kernel is never chosen). Work-skipping kernels that compute the same
-numbers with less work (unpadding, skipped rows) are taken where they apply. Choices are kept for the process and
-recorded in a small JSON file (`cache_path()`; `HF_BERT_IMPL_KERNEL_CACHE=off` keeps them in memory only), read before
-measuring, written under a file lock: the processes of a multi-process run on one machine, and later seeded runs, use
-the same choice. `chosen_kernels()` returns the choices; the logger "hf_bert_impl.kernels" says each one at debug level.
-Limits: a linear layer's candidates are timed on the forward (for training shapes too); processes on several machines
-each record their own choices (force kernel names, or share the file, for identical kernels everywhere).
-
-Importing this file does nothing but define names: no GEMM, no file access, no probe. Standard library, torch, and the
-kernel names of configuration_bert_impl.py.
+`kernels`: "auto" (default) measures, "reference" removes every kernel, and a name (or several, comma-separated) forces
+those kernels and runs the reference elsewhere. "auto": the first time a kernel point meets a (device, dtype, shape
+class) it times its candidates against the reference on that input (a warm-up and 3 timed calls each) and keeps the
+fastest of those that agree with the reference within the kernel's tolerance (`TOLERANCE`; a disagreeing kernel is never
+chosen). Choices are kept for the process and recorded in a JSON file under the Hugging Face cache (`cache_path()`:
+$HF_HOME/hf_bert_impl/kernels.json; `HF_BERT_IMPL_KERNEL_CACHE=off` keeps them in memory only), keyed by this package's
+version, torch's, the CPU capability and the thread count, and written under a file lock that is given up after
+`LOCK_TIMEOUT_S` (the choice is then made and kept in memory): the processes of one machine and later seeded runs make
+the same choices. `chosen_kernels()` returns them; the logger "hf_bert_impl.kernels" says each one; `kernelized(model)`
+lists the modules and their kernels. Kernels run on plain CPU tensors outside torch.compile, export and tracing; there
+the reference runs.
 """
 
+import functools
 import json
 import logging
 import os
 import threading
 import time
+import types
 from dataclasses import dataclass, field
 
+import filelock
 import torch
 import torch.nn.functional as F
+from huggingface_hub import constants
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .configuration_bert_impl import KERNEL_NAMES, kernel_names
-
-try:  # the lock that makes processes of one machine measure one after another; absent on Windows
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None
+from . import modeling_bert_impl as plain
 
 logger = logging.getLogger("hf_bert_impl.kernels")
 
-KERNELS = KERNEL_NAMES
+KERNELS = ("onednn_linear", "fused_activation", "skip_zero_rows", "bits_dropout", "unpadded", "per_sequence_attention",
+           "grid_attention")
 # A kernel is kept only if its output is within this of the reference's on the measured input (max abs difference,
 # relative to the reference's largest magnitude; float32: GEMM reordering, bfloat16: its 8-bit mantissa).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+LOCK_TIMEOUT_S = 30.0  # another process holding the record's lock longer: choose without the record
 
 
 # ----------------------------------------------------------------------------------------------
 # The choice: forced, reference, or measured once per (point, device, dtype, shape class)
 
 
+def kernel_names(setting) -> frozenset | str:
+    """`kernels` -> "auto", "reference", or the frozenset of forced kernel names; ValueError naming a bad value."""
+    if setting in ("auto", "reference"):
+        return setting
+    names = [s.strip() for s in setting.split(",")] if isinstance(setting, str) else \
+        list(setting) if isinstance(setting, (list, tuple, set, frozenset)) else []
+    unknown = [n for n in names if not isinstance(n, str) or n not in KERNELS]
+    if not names or unknown:
+        raise ValueError(f"kernels must be 'auto', 'reference' or kernel names from {KERNELS} (comma-separated), "
+                         f"got {setting!r}")
+    return frozenset(names)
+
+
 def parse_setting(setting) -> frozenset | str:
-    """config.kernels -> "auto", "reference", or the forced kernel names ("fused_activation" implies "onednn_linear")."""
+    """`kernels` -> "auto", "reference", or the forced kernel names ("fused_activation" implies "onednn_linear")."""
     choice = kernel_names(setting)
     return choice | {"onednn_linear"} if isinstance(choice, frozenset) and "fused_activation" in choice else choice
 
@@ -82,7 +103,7 @@ class _Choices:
     def get(self, key: str, measure) -> str:
         if key in self.made:
             return self.made[key]
-        with self.lock, _file_lock() as record:
+        with self.lock, _Record() as record:
             if key not in self.made:
                 name = record.get(key)
                 if name is None:
@@ -90,7 +111,7 @@ class _Choices:
                     name = measure()
                     self.seconds += time.perf_counter() - start
                 record[key] = self.made[key] = name
-                logger.debug("kernel for %s: %s", key, name)
+                logger.info("kernel for %s: %s", key, name)
         return self.made[key]
 
 
@@ -98,35 +119,41 @@ _CHOICES = _Choices()
 
 
 def cache_path() -> str | None:
-    """Where choices are recorded: $HF_BERT_IMPL_KERNEL_CACHE, else ~/.cache/hf_bert_impl/kernels.json; None if "off"."""
-    path = os.environ.get("HF_BERT_IMPL_KERNEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hf_bert_impl",
-                                                                   "kernels.json"))
+    """Where choices are recorded: $HF_BERT_IMPL_KERNEL_CACHE, else $HF_HOME/hf_bert_impl/kernels.json; None if "off"."""
+    path = os.environ.get("HF_BERT_IMPL_KERNEL_CACHE", os.path.join(constants.HF_HOME, "hf_bert_impl", "kernels.json"))
     return None if path.lower() in ("", "off", "0", "false") else path
 
 
-def _machine() -> str:  # what a recorded choice holds for: the torch build, its CPU capability and thread count
-    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+def _machine() -> str:  # what a recorded choice holds for: this package, the torch build, CPU capability, threads
+    from . import __version__
+
+    return (f"hf_bert_impl {__version__}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads")
 
 
-class _file_lock:
-    """The record of this machine's choices (a dict), read under an exclusive lock and written back on exit."""
+class _Record:
+    """The record of this machine's choices (a dict), read under the record's file lock and written back on exit; an
+    empty dict, kept in memory, where there is no record (off, unwritable, or the lock not had in LOCK_TIMEOUT_S)."""
 
     def __enter__(self) -> dict:
-        self.path, self.fd, self.all = cache_path(), None, {}
+        self.path, self.lock, self.all, self.record = cache_path(), None, {}, {}
         if self.path is None:
-            self.record = {}
             return self.record
         try:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self.fd = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
-            if fcntl is not None:
-                fcntl.flock(self.fd, fcntl.LOCK_EX)
+            self.lock = filelock.FileLock(self.path + ".lock", timeout=LOCK_TIMEOUT_S)
+            self.lock.acquire()
+        except (OSError, filelock.Timeout) as e:
+            logger.warning("kernel choices not recorded in %s (%s): they are made in memory", self.path, e)
+            self.path, self.lock = None, None
+            return self.record
+        try:
             with open(self.path) as f:
                 self.all = json.load(f)
         except (OSError, ValueError):  # no record yet, or an unreadable one: measure anew
             pass
-        mine = self.all.get(_machine()) if isinstance(self.all, dict) else None
         self.all = self.all if isinstance(self.all, dict) else {}
+        mine = self.all.get(_machine())
         self.record = {k: v for k, v in mine.items() if isinstance(v, str)} if isinstance(mine, dict) else {}
         return self.record
 
@@ -138,11 +165,11 @@ class _file_lock:
                 with open(tmp, "w") as f:
                     json.dump(self.all, f, indent=1, sort_keys=True)
                 os.replace(tmp, self.path)
-        except OSError as e:  # a read-only home: the choices stay in memory
+        except OSError as e:  # a read-only cache: the choices stay in memory
             logger.debug("kernel choices not recorded in %s: %s", self.path, e)
         finally:
-            if self.fd is not None:
-                os.close(self.fd)
+            if self.lock is not None:
+                self.lock.release()
 
 
 def chosen_kernels() -> dict[str, str]:
@@ -363,11 +390,6 @@ def dropout_choice(setting, x: torch.Tensor, p: float, training: bool, shape: to
     return _CHOICES.get(key, measure)
 
 
-def dropout_kernel(setting, x: torch.Tensor, p: float, training: bool) -> torch.Tensor | None:
-    """Point "dropout": dropout by "bits_dropout", or None for the reference (F.dropout)."""
-    return bits_dropout(x, p) if dropout_choice(setting, x, p, training) == "bits_dropout" else None
-
-
 # ----------------------------------------------------------------------------------------------
 # layout: the real tokens only, attention per sequence or on a compact grid
 
@@ -496,9 +518,21 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
     return TokenMap((b, s), (n, m), mask, indices=indices, grid_index=seq * m + slot)
 
 
-def attention_kernel(module, qkv: torch.Tensor, tokens: TokenMap | None, attention_fn, eager_fn, mask, kwargs) -> tuple | None:
-    """Point "attention": attention over `tokens` (the "layout" kernels), and training attention with "bits_dropout" masks,
-    which runs `eager_fn` (the formula, whose dropout takes them: SDPA's CPU kernels draw no dropout of their own).
+def _eager_bits_dropout(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+    """modeling_bert_impl.eager_attention_forward (softmax(QKᵀ/√d_k + M) V, the formula) with "bits_dropout" masks on the
+    probabilities in training; an additive mask (this module's layouts make no boolean one)."""
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scaling  # (b, h, s, s)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (b, h, s, s)
+    probs = bits_dropout(probs, dropout) if module.training and dropout > 0 else probs
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs  # (b, s, h, d)
+
+
+def attention_kernel(setting, module, qkv: torch.Tensor, tokens: TokenMap | None, attention_fn, mask,
+                     kwargs) -> tuple | None:
+    """Point "attention": attention over `tokens` (the "layout" kernels), and training attention with "bits_dropout"
+    masks, which runs the formula (`_eager_bits_dropout`: SDPA's CPU kernels draw no dropout of their own).
     qkv: (b, s, 3H) or (1, T, 3H). Returns (out (b, s, h, d) or (1, T, h, d), probs) or None for the reference."""
     p = module.attention_dropout if module.training else 0.0
     h, d = module.num_heads, module.head_dim
@@ -509,8 +543,8 @@ def attention_kernel(module, qkv: torch.Tensor, tokens: TokenMap | None, attenti
     probs_shape = torch.Size((n, h, m, m)) if tokens is None or tokens.seq_lengths is None else \
         torch.Size((1, h, max(tokens.seq_lengths), max(tokens.seq_lengths)))
     varlen = tokens is not None and bool(tokens.attention_kwargs)  # flash's own layout: its function, its dropout
-    if p > 0 and not varlen and dropout_choice(module.config.kernels, qkv, p, True, probs_shape) == "bits_dropout":
-        attention_fn = eager_fn
+    if p > 0 and not varlen and dropout_choice(setting, qkv, p, True, probs_shape) == "bits_dropout":
+        attention_fn = _eager_bits_dropout
     elif tokens is None:
         return None
     if tokens is not None and tokens.grid_index is not None:  # each real token into its slot of the (n, m) grid
@@ -524,3 +558,147 @@ def attention_kernel(module, qkv: torch.Tensor, tokens: TokenMap | None, attenti
     if tokens is not None and tokens.grid_index is not None:  # from the grid's slots back to the real tokens
         out = out.reshape(n * m, h * d).index_select(0, tokens.grid_index)  # (T, H)
     return out, probs
+
+
+# ----------------------------------------------------------------------------------------------
+# kernelize: the kernels put on a model's module instances (their `forward`), and taken off again
+
+
+def _attention_function(impl: str | None):  # as modeling_bert_impl's attention: transformers' function for `impl`
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, plain.eager_attention_forward)
+    return plain.eager_attention_forward if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _own(module: nn.Module) -> bool:  # a standard nn.Linear that runs its own forward (no tool replaced or hooked it)
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor, *, setting, skip_zero_rows: bool = False) -> torch.Tensor:
+    y = linear_kernel(setting, self, x, None, skip_zero_rows)
+    return F.linear(x, self.weight, self.bias) if y is None else y
+
+
+def _act_linear(setting, linear: nn.Module, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """act(linear(x)), the activation inside the GEMM where a kernel does it; a replaced linear runs its own forward."""
+    y = linear_kernel(setting, linear, x, act) if _own(linear) else None
+    return act(linear(x)) if y is None else y
+
+
+def _mlp_forward(self, hidden_states, *, setting):  # BertImplMLP: Wo(act(Wi x))
+    return self.Wo(_act_linear(setting, self.Wi, self.act, hidden_states))
+
+
+def _lm_head_forward(self, hidden_states, *, setting):  # BertImplLMHead: decoder(LN(act(dense x)))
+    return self.decoder(self.norm(_act_linear(setting, self.dense, self.act, hidden_states)))
+
+
+def _dropout_forward(self: nn.Dropout, x: torch.Tensor, *, setting) -> torch.Tensor:
+    if dropout_choice(setting, x, self.p, self.training) == "bits_dropout":
+        return bits_dropout(x, self.p)
+    return F.dropout(x, self.p, self.training, self.inplace)
+
+
+def _attention_forward(self, hidden_states, attention_mask=None, *, setting, **kwargs):  # BertImplSelfAttention
+    tokens = kwargs.pop("bert_impl_tokens", None)  # the encoder's map of the real tokens ("unpadded")
+    p = self.attention_dropout if self.training else 0.0
+    bits = p > 0 and _plain_cpu(hidden_states) and not kwargs.get("output_attentions")
+    if tokens is None and not bits:
+        return type(self).forward(self, hidden_states, attention_mask, **kwargs)
+    qkv = self.Wqkv(hidden_states)  # (b, s, 3H) or (1, T, 3H)
+    attend = _attention_function(self.config._attn_implementation)
+    fast = attention_kernel(setting, self, qkv, tokens, attend, attention_mask, kwargs)
+    if fast is None:
+        q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)  # 3 x (b, h, s, d)
+        fast = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=p, **kwargs)
+    out, probs = fast  # out: (b, s, h, d) or (1, T, h, d)
+    return self.Wo(out.reshape(hidden_states.shape)), probs
+
+
+def _encoder_forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                     inputs_embeds=None, *, setting, **kwargs):
+    """BertImplModel on the real tokens only ("unpadded"): the inputs gathered to (1, T), the layers run on (1, T, H),
+    the output scattered back to (b, s, H) with zeros at padding. Recorded outputs (hidden states, attentions) are the
+    padded batch's: those calls, and any the layout does not take, run the plain forward."""
+    recording = any(kwargs.get(f"output_{n}") or getattr(self.config, f"output_{n}", False)
+                    for n in ("attentions", "hidden_states"))
+    args = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    if recording:
+        return type(self).forward(self, *args, **kwargs)
+    plain._check_inputs(self.config, *args)
+    shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
+    dtype = self.embeddings.word_embeddings.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
+    tokens = token_map_kernel(setting, self.config, attention_mask, position_ids, shape, dtype, kwargs)
+    if tokens is None:
+        return type(self).forward(self, *args, **kwargs)
+    return_dict = kwargs.pop("return_dict", None)
+    if position_ids is None:  # real tokens keep their places in their rows
+        position_ids = torch.arange(shape[1], device=(input_ids if input_ids is not None else inputs_embeds).device)[None]
+    hidden_states = self.embeddings(*map(tokens.gather, (input_ids, token_type_ids, position_ids, inputs_embeds)))
+    for layer in self.layers:
+        hidden_states = layer(hidden_states, None, bert_impl_tokens=tokens, **kwargs)
+    hidden_states = tokens.scatter(hidden_states)  # (b, s, H), zeros at padding
+    pooled = self.pooler(hidden_states) if self.pooler is not None else None  # (b, H)
+    out = BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
+    return out.to_tuple() if return_dict is False else out
+
+
+def _sparse_mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch):
+    """The MLM heads' logits and loss with the decoder on the n labelled positions only: logits (n, V), the same loss
+    (unlabelled positions add 0 to it)."""
+    if labels is None or torch.compiler.is_compiling() or tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
+        return type(self)._mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch)
+    keep = labels.reshape(-1).ne(plain.IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
+    sequence_output = sequence_output.reshape(-1, sequence_output.size(-1)).index_select(0, keep)  # (n, H)
+    logits = self.lm_head(sequence_output)  # (n, V)
+    return logits, plain.masked_lm_loss(logits, labels.reshape(-1).index_select(0, keep), num_items_in_batch)
+
+
+_FORWARDS = {"BertImplModel": _encoder_forward, "BertImplSelfAttention": _attention_forward,
+             "BertImplMLP": _mlp_forward, "BertImplLMHead": _lm_head_forward}  # by class name: remote code's too
+
+
+def _put(module: nn.Module, fn, attribute: str = "forward", **options) -> None:
+    setattr(module, attribute, types.MethodType(functools.partial(fn, **options), module))
+
+
+def _ours(module: nn.Module, attribute: str = "forward"):  # the kernel function put on `module`, or None
+    bound = module.__dict__.get(attribute)
+    fn = getattr(getattr(bound, "__func__", None), "func", None)
+    return fn if fn in (_linear_forward, _dropout_forward, _sparse_mlm_logits_and_loss, *_FORWARDS.values()) else None
+
+
+def kernelize(model: nn.Module, kernels="auto", sparse_prediction: bool = False) -> nn.Module:
+    """Put the speed layer on `model` (any bert_impl model or head, loaded by the package or by trust_remote_code) and
+    return it. `kernels`: "auto" (each kernel measured here, kept where it agrees with the plain model and is faster),
+    "reference" (take every kernel off: the plain model), or kernel names to force (`KERNELS`, comma-separated).
+    `sparse_prediction`: the MLM heads' decoder runs on labelled positions only when labels are given (logits (n, V)).
+    Parameters, buffers, config and saved files do not change; calling it again replaces the previous kernels."""
+    setting = parse_setting(kernels)
+    for module in model.modules():
+        for attribute in ("forward", "_mlm_logits_and_loss"):
+            if _ours(module, attribute) is not None:
+                delattr(module, attribute)
+    if setting == "reference":
+        return model
+    decoders = {id(m.lm_head.decoder) for m in model.modules() if hasattr(m, "lm_head")}
+    for module in model.modules():
+        name = type(module).__name__
+        if _own(module):
+            _put(module, _linear_forward, setting=setting, skip_zero_rows=id(module) in decoders)
+        elif type(module) is nn.Dropout:
+            _put(module, _dropout_forward, setting=setting)
+        elif name in _FORWARDS:
+            _put(module, _FORWARDS[name], setting=setting)
+        if sparse_prediction and hasattr(type(module), "_mlm_logits_and_loss"):
+            _put(module, _sparse_mlm_logits_and_loss, "_mlm_logits_and_loss")
+    logger.info("kernelize(%s, kernels=%r, sparse_prediction=%s): %d modules", type(model).__name__, kernels,
+                sparse_prediction, len(kernelized(model)))
+    return model
+
+
+def kernelized(model: nn.Module) -> dict[str, str]:
+    """{module name: the kernel function put on it} for every module `kernelize` changed ("" is the model itself)."""
+    return {name + ("" if attribute == "forward" else f".{attribute}"): fn.__name__
+            for name, module in model.named_modules() for attribute in ("forward", "_mlm_logits_and_loss")
+            if (fn := _ours(module, attribute)) is not None}

@@ -511,7 +511,7 @@ def test_script_from_hf_then_to_hf_on_debug_head(tmp_path):
     config = json.loads((impl / "config.json").read_text())
     assert config["model_type"] == "bert_impl" and config["architectures"] == ["BertImplForSequenceClassification"]
     assert config["id2label"] == {str(k): v for k, v in LABELS.items()}
-    assert {"checkpoint_bert_impl.py", "configuration_bert_impl.py", "modeling_bert_impl.py", "model.safetensors"} <= {p.name for p in impl.iterdir()}
+    assert {"configuration_bert_impl.py", "modeling_bert_impl.py", "model.safetensors"} <= {p.name for p in impl.iterdir()}
     assert script.main(["--to-hf", str(impl), "--out", str(tmp_path / "back")]) == 0
     back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "back")
     assert type(back) is transformers.BertForSequenceClassification

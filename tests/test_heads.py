@@ -1,4 +1,4 @@
-"""The head table (`configuration_bert_impl.HEAD_TABLE`) is the one list of heads that the auto map,
+"""The head table (`hf_bert_impl.heads.HEAD_TABLE`) is the one list of heads that the auto map,
 the package's exports, the model card and the converter read. Each row is checked against
 transformers itself, so a swapped name (an Auto class, a Bert class, a task) fails here."""
 
@@ -8,7 +8,7 @@ from transformers import BertConfig
 from transformers.pipelines import SUPPORTED_TASKS
 
 import hf_bert_impl
-from hf_bert_impl.configuration_bert_impl import HEAD_TABLE
+from hf_bert_impl.heads import HEAD_TABLE
 from hf_bert_impl.convert import ARCHITECTURES
 from hf_bert_impl.hub import HEAD_INFO, PIPELINE_HEAD, PIPELINE_TAGS
 
