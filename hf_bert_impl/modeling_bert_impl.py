@@ -1,22 +1,15 @@
-"""hf-bert-impl: a from-scratch BERT encoder and its eight task heads, as a plain transformers model.
+"""hf-bert-impl: a from-scratch BERT encoder and its eight task heads, as a plain transformers model. References:
+[1] Vaswani et al., "Attention Is All You Need" (2017), arXiv:1706.03762; [2] Devlin et al., "BERT: Pre-training of
+Deep Bidirectional Transformers for Language Understanding" (2019), arXiv:1810.04805; [3] transformers'
+bert/modeling_bert.py (the numerical reference) and modernbert/modular_modernbert.py.
 
-References: [1] Vaswani et al., "Attention Is All You Need" (2017), arXiv:1706.03762 (attention, multi-head attention,
-sinusoidal positions, the √d_model embedding scale); [2] Devlin et al., "BERT: Pre-training of Deep Bidirectional
-Transformers for Language Understanding" (2019), arXiv:1810.04805 (post-LN encoder, pooler, MLM and NSP);
-[3] transformers' models/bert/modeling_bert.py (the numerical reference) and models/modernbert/modular_modernbert.py.
-
-How it differs from transformers' BERT:
-  1. Positions default to the sinusoidal encoding of [1] (not stored, any length), added to word embeddings scaled by
-     √d_model as in [1] (`config.scale_word_embeddings`); "learned" = BERT's table, unscaled.
-  2. Q, K and V come from one fused projection `Wqkv` = [W^Q; W^K; W^V].
-  3. The MLM loss divides by `num_items_in_batch` when Trainer passes it (accumulation = one large batch).
-  4. `output_attentions=True` returns real probabilities under every backend (that call runs eager).
-  5. Bad inputs raise a ValueError naming the value (`_check_inputs`), not an IndexError inside torch.
-  6. Padding positions of the outputs hold zeros; a packed row (DataCollatorWithFlattening) attends within each sequence.
-This file is the plain model: standard modules (nn.Linear, nn.Dropout, activations after the linear), attention through
-transformers' ALL_ATTENTION_FUNCTIONS, masks from masking_utils. The package's `hf_bert_impl.kernelize(model)` puts
-faster kernels on a loaded model from outside; nothing here depends on it.
-
+How it differs from transformers' BERT: 1. positions default to the sinusoidal encoding of [1] (not stored, any
+length), added to word embeddings scaled by √d_model as in [1] (`config.scale_word_embeddings`; "learned" = BERT's
+table, unscaled); 2. Q, K and V come from one projection `Wqkv` = [W^Q; W^K; W^V]; 3. the MLM loss divides by
+Trainer's `num_items_in_batch`; 4. `output_attentions=True` returns real probabilities under every backend (it runs
+eager); 5. bad inputs raise a ValueError naming the value; 6. padding positions of the outputs hold zeros, and a packed
+row (DataCollatorWithFlattening) attends within each sequence. Standard modules (nn.Linear, nn.Dropout, activations),
+attention through ALL_ATTENTION_FUNCTIONS, masks from masking_utils; `hf_bert_impl.kernelize` adds speed from outside.
 Shape legend: b batch, s sequence, h heads, d head dim (d_k), H hidden (= h * d), V vocabulary, c choices.
 """
 
@@ -30,8 +23,7 @@ from transformers.activations import ACT2FN
 from transformers.masking_utils import packed_sequence_mask_function
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (BaseModelOutputWithPooling, MaskedLMOutput, MultipleChoiceModelOutput,
-                                           NextSentencePredictorOutput, QuestionAnsweringModelOutput,
-                                           SequenceClassifierOutput, TokenClassifierOutput)
+    NextSentencePredictorOutput, QuestionAnsweringModelOutput, SequenceClassifierOutput, TokenClassifierOutput)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput as BertImplForPreTrainingOutput
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -53,32 +45,31 @@ try:  # 5.x: the mask in the format of `config._attn_implementation` (None: noth
     from transformers.masking_utils import create_bidirectional_mask
 except ImportError:  # 4.57: flash takes the 2-D mask, eager and sdpa an additive (b, 1, s, s) one
     def create_bidirectional_mask(config, inputs_embeds, attention_mask, and_mask_function=None):
-        (b, s), dtype, device = inputs_embeds.shape[:2], inputs_embeds.dtype, inputs_embeds.device
+        (b, s), dtype, i = inputs_embeds.shape[:2], inputs_embeds.dtype, torch.arange(inputs_embeds.size(1))
         if "flash" in config._attn_implementation or attention_mask is None and and_mask_function is None:
             return None if attention_mask is None or attention_mask.all() else attention_mask.bool()
-        keep = torch.ones(b, 1, s, s, dtype=torch.bool, device=device)
-        if attention_mask is not None:
-            keep = keep & attention_mask.bool()[:, None, None, :]
+        keep = attention_mask[:, None, None] > 0 if attention_mask is not None else torch.ones(b, 1, s, s) > 0
         if and_mask_function is not None:
-            i = torch.arange(s, device=device)
-            keep = keep & and_mask_function(torch.arange(b, device=device)[:, None, None, None], 0, i[:, None], i)
-        return (~keep).to(dtype) * torch.finfo(dtype).min
+            keep = keep & and_mask_function(torch.arange(b)[:, None, None, None], 0, i[:, None], i)
+        return ((~keep).to(dtype) * torch.finfo(dtype).min).to(inputs_embeds.device)
+
+
+def _attention_function(impl: str):  # 5.x: AttentionInterface.get_interface (eager: ours); 4.57: the registry itself
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+    return eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 def sinusoidal_position_encoding(num_positions: int, dim: int) -> torch.Tensor:
     """Sinusoidal positional encoding of [1]: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same).
-
-    Interleaved: even columns hold the sines, odd columns the cosines of the same frequency; with an odd `dim` the last
-    column is a sine. Computed in float64, returned as float32 of shape (num_positions, dim).
-    """
+    Interleaved (even columns sines, odd columns cosines; an odd `dim` ends with a sine); float64 -> float32."""
     if num_positions < 0 or dim <= 0:
-        raise ValueError(f"sinusoidal_position_encoding needs num_positions >= 0 and dim > 0, got {num_positions}, {dim}")
-    return _sinusoid(torch.arange(num_positions, dtype=torch.float64), dim)
+        raise ValueError(f"sinusoidal_position_encoding needs num_positions >= 0, dim > 0, got {num_positions}, {dim}")
+    return _sinusoid(torch.arange(num_positions), dim)
 
 
-def _sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:
-    """The encoding's rows at positions `pos` (any shape) -> (*pos.shape, dim) float32, on pos's device."""
+def _sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:  # rows at positions `pos` (any shape) -> (*pos.shape, dim)
     pos = pos.to(torch.float32 if pos.device.type == "mps" else torch.float64)  # MPS has no float64
     two_i = torch.arange(0, dim, 2, dtype=pos.dtype, device=pos.device)  # (ceil(dim/2),) the even columns 2i
     angle = pos.unsqueeze(-1) / torch.pow(10000.0, two_i / dim)  # (..., ceil(dim/2))
@@ -88,42 +79,25 @@ def _sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:
 def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     """Scaled dot-product attention of [1], written out: Attention(Q, K, V) = softmax(QKᵀ/√d_k + M) V.
-
-    query, key, value: (b, h, s, d); attention_mask M: boolean (True: attend) or additive, broadcastable to (b, h, s, s).
-    `scaling` is 1/√d_k; in training the probabilities take dropout `dropout`. Returns the output as (b, s, h, d) (the
-    layout of every transformers attention function) and the probabilities (b, h, s, s).
-    """
+    query, key, value: (b, h, s, d); M: boolean (True: attend) or additive, broadcastable to (b, h, s, s); `scaling` is
+    1/√d_k. Returns the output (b, s, h, d) (every transformers attention function's layout) and the probabilities."""
     scores = torch.matmul(query, key.transpose(-2, -1)) * scaling  # (b, h, s, s)
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-    elif attention_mask is not None:
-        scores = scores + attention_mask
+    if attention_mask is not None:  # boolean: True where a key may be attended; else additive
+        boolean, low = attention_mask.dtype == torch.bool, torch.finfo(scores.dtype).min
+        scores = scores.masked_fill(~attention_mask, low) if boolean else scores + attention_mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (b, h, s, s)
     probs = F.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs  # (b, s, h, d)
 
 
 def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-    """The masked-LM loss of [2]: L = -Σ_i log P(x_i | x_\\i) over the positions whose label is not -100.
-
-    Divided by the number of such positions, or by `num_items_in_batch` when Trainer passes the count over all accumulated
-    micro-batches (4 accumulated batches of 2 give exactly the update of one batch of 8); 0, not NaN, when none is masked.
-    logits: (..., V), labels: (...). Half-precision per-token losses are summed in float32 without a float32 copy of the
-    logits. On the CPU only labelled rows enter the cross-entropy (the others add 0).
-    """
+    """The masked-LM loss of [2]: L = -Σ_i log P(x_i | x_\\i) over the positions whose label is not -100, divided by
+    their number or by Trainer's `num_items_in_batch` (accumulation = one large batch); 0, not NaN, if none is masked.
+    logits (..., V), labels (...); half-precision per-token losses are summed in float32."""
     logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)  # (N, V), (N,)
-    if labels.device.type == "cpu" and not torch.compiler.is_compiling():
-        keep = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
-        logits, labels = logits.index_select(0, keep), labels.index_select(0, keep)  # (n, V), (n,)
-    if logits.dtype in (torch.bfloat16, torch.float16):
-        nll_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none").float().sum()
-    else:
-        nll_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    if num_items_in_batch is None:
-        num_items_in_batch = labels.ne(IGNORE_INDEX).sum().clamp(min=1)
-    elif torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(nll_sum.device)
-    return nll_sum / num_items_in_batch
+    nll_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none").float().sum()
+    count = labels.ne(IGNORE_INDEX).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return nll_sum / (count.to(nll_sum.device) if torch.is_tensor(count) else count)
 
 
 def _check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> None:
@@ -132,41 +106,34 @@ def _check_inputs(config, input_ids, attention_mask, token_type_ids, position_id
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
-    if len(shape) != 2:
-        raise ValueError(f"input_ids must have shape (batch, sequence), got {shape}")
-    if 0 in shape:
-        raise ValueError(f"the input has an empty dimension: shape {shape}; pass at least one sequence of one token")
+    if len(shape) != 2 or 0 in shape:
+        raise ValueError(f"input_ids must have shape (batch, sequence), got {shape}" + " (empty)" * (0 in shape))
     if inputs_embeds is not None and inputs_embeds.size(-1) != config.hidden_size:
-        raise ValueError(f"inputs_embeds has width {inputs_embeds.size(-1)} but config.hidden_size = {config.hidden_size}")
-    learned = config.position_embedding_type == "learned"
-    too_long = ("sequence needs position {} but learned positions stop at max_position_embeddings - 1 = "
-                f"{config.max_position_embeddings - 1}; truncate the input (tokenizer(..., truncation=True))")
-    if learned and position_ids is None and shape[1] > config.max_position_embeddings:
-        raise ValueError(too_long.format(shape[1] - 1))
-    limits = (("input_ids", input_ids, "vocab_size"), ("token_type_ids", token_type_ids, "type_vocab_size"),
-              ("position_ids", position_ids, "max_position_embeddings" if learned else None),
-              ("attention_mask", attention_mask, None))
-    for name, t, field in limits:
-        if t is None:
-            continue
-        if tuple(t.shape) != shape and not (name == "position_ids" and tuple(t.shape) == (1, shape[1])):
+        raise ValueError(f"inputs_embeds has width {inputs_embeds.size(-1)} but hidden_size = {config.hidden_size}")
+    P = config.max_position_embeddings if config.position_embedding_type == "learned" else None
+    if P is not None and position_ids is None:  # learned positions: the table's rows must cover 0 .. s-1
+        position_ids = torch.arange(shape[1])[None]
+    ids = "{} contains {}, outside [0, {}={}); check that the tokenizer matches this model"
+    checks = {"input_ids": (input_ids, config.vocab_size,
+                            ids.format("input_ids", "{}", "vocab_size", config.vocab_size)),
+              "token_type_ids": (token_type_ids, config.type_vocab_size,
+                                 ids.format("token_type_ids", "{}", "type_vocab_size", config.type_vocab_size)),
+              "position_ids": (position_ids, P, f"sequence needs position {{}} but learned positions stop at "
+                               f"max_position_embeddings - 1 = {P and P - 1}; truncate (tokenizer(truncation=True))"),
+              "attention_mask": (attention_mask, 2, "attention_mask must hold 1 for tokens and 0 for padding, got {}")}
+    for name, (t, high, message) in checks.items():
+        if t is not None and tuple(t.shape) != shape and (name != "position_ids" or tuple(t.shape) != (1, shape[1])):
             raise ValueError(f"{name} has shape {tuple(t.shape)} but the input has shape {shape}")
-        if name != "attention_mask" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        integer = t is None or not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+        if name != "attention_mask" and not integer:
             raise ValueError(f"{name} must hold integer ids, got dtype {t.dtype}")
-        if t.device.type != "cpu" or torch.compiler.is_compiling():
+        if t is None or t.device.type != "cpu" or torch.compiler.is_compiling():
             continue
-        high = getattr(config, field) if field else None
-        bad = t[(t != 0) & (t != 1)] if name == "attention_mask" else t[(t < 0) | (t >= high)] if high else t[t < 0]
-        if not bad.numel():
-            continue
-        value = bad[0].item()
-        if name == "attention_mask":
-            raise ValueError(f"attention_mask must hold 1 for tokens and 0 for padding, got {value}")
-        if name == "position_ids":
-            raise ValueError(too_long.format(value) if value >= 0 else f"position_ids contains {value}; positions "
-                             "start at 0")
-        raise ValueError(f"{name} contains {value}, outside [0, {field}={high}); check that the tokenizer matches this "
-                         f"model (config.{field} = {high})")
+        bad = t[(t != 0) & (t != 1)] if name == "attention_mask" else t[(t < 0) | (t >= (high or float("inf")))]
+        if bad.numel():
+            value = (bad.max() if bad.max() >= 0 else bad.min()).item()  # the largest, or the most negative
+            negative = value < 0 and name == "position_ids"
+            raise ValueError(f"position_ids contains {value}; they start at 0" if negative else message.format(value))
 
 
 class BertImplEmbeddings(nn.Module):
@@ -174,7 +141,7 @@ class BertImplEmbeddings(nn.Module):
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
-        if config.pad_token_id is not None and config.pad_token_id >= config.vocab_size:
+        if (config.pad_token_id or 0) >= config.vocab_size:
             raise ValueError(f"BertImplConfig.pad_token_id must be an id in [0, vocab_size={config.vocab_size}) or "
                              f"None, got {config.pad_token_id!r}")
         self.config = config
@@ -182,8 +149,8 @@ class BertImplEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         if config.position_embedding_type == "learned":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        else:  # fixed by the formula: a buffer, not a weight, not saved
-            pe = sinusoidal_position_encoding(config.max_position_embeddings, config.hidden_size)  # (P, H)
+        else:  # fixed by the formula: a buffer (P, H), not a weight, not saved
+            pe = sinusoidal_position_encoding(config.max_position_embeddings, config.hidden_size)
             self.register_buffer("position_encoding", pe, persistent=False)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
@@ -194,32 +161,23 @@ class BertImplEmbeddings(nn.Module):
             inputs_embeds = self.word_embeddings(input_ids)  # (b, s, H)
         if (scale := self.config.word_embedding_scale) != 1.0:  # √d_model of [1] §3.4
             inputs_embeds = inputs_embeds * scale
-        s, dtype = inputs_embeds.size(1), self.word_embeddings.weight.dtype
+        s, P, dtype = inputs_embeds.size(1), self.config.max_position_embeddings, self.word_embeddings.weight.dtype
+        built = position_ids is None  # then the positions are 0 .. s-1, known without reading them
+        position_ids = torch.arange(s, device=inputs_embeds.device)[None] if built else position_ids  # (b|1, s)
         if self.config.position_embedding_type == "learned":
-            if position_ids is None:
-                position_ids = torch.arange(s, device=inputs_embeds.device)[None]  # (1, s)
             positions = self.position_embeddings(position_ids)  # (b|1, s, H)
-        elif position_ids is None and s <= len(self.position_encoding):
-            positions = self.position_encoding[None, :s].to(dtype)  # (1, s, H)
-        elif position_ids is None:  # past the stored rows: the formula at each position
-            positions = _sinusoid(torch.arange(s, device=inputs_embeds.device)[None], self.config.hidden_size).to(dtype)
-        elif position_ids.device.type == "cpu" and int(position_ids.max()) < len(self.position_encoding):
+        elif s <= P if built else position_ids.device.type == "cpu" and int(position_ids.max()) < P:  # stored rows
             positions = F.embedding(position_ids, self.position_encoding.to(dtype))  # (b|1, s, H)
-        else:  # positions past the rows, or on an accelerator (reading the largest position would be a host sync)
+        else:  # past the stored rows, or unread (on an accelerator a read would be a host sync): the formula
             positions = _sinusoid(position_ids, self.config.hidden_size).to(dtype)  # (b|1, s, H)
-        types = self.token_type_embeddings.weight[0] if token_type_ids is None else self.token_type_embeddings(
-            token_type_ids)  # no token types: all of type 0
+        types = self.token_type_embeddings  # no token type ids: all of type 0
+        types = types.weight[0] if token_type_ids is None else types(token_type_ids)  # (H,) or (b, s, H)
         return self.dropout(self.LayerNorm(inputs_embeds + types + positions))  # (b, s, H)
 
 
 class BertImplSelfAttention(nn.Module):
-    """Multi-head attention of [1] with BERT's output projection:
-
-        MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,  head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)
-
-    `Wqkv` holds [W^Q; W^K; W^V] stacked along the output dimension (one matmul for all three); head i uses columns
-    i*d:(i+1)*d of each. `Wo` is W^O. The attention function is transformers' for `config._attn_implementation`.
-    """
+    """Multi-head attention of [1]: MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q,
+    K W_i^K, V W_i^V). `Wqkv` = [W^Q; W^K; W^V] (one matmul; head i uses columns i*d:(i+1)*d of each); `Wo` = W^O."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
@@ -237,12 +195,8 @@ class BertImplSelfAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs: Unpack[TransformersKwargs]):
         """hidden_states (b, s, H) -> (b, s, H), and the probabilities (b, h, s, s) under eager."""
         q, k, v = self.Wqkv(hidden_states).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
-        impl = "eager" if kwargs.get("output_attentions") else self.config._attn_implementation  # 3 x (b, h, s, d)
-        if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
-        else:  # 4.57
-            attend = eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
-        out, probs = attend(self, q, k, v, attention_mask, scaling=self.scaling,
+        attend = _attention_function("eager" if kwargs.get("output_attentions") else self.config._attn_implementation)
+        out, probs = attend(self, q, k, v, attention_mask, scaling=self.scaling,  # q, k, v: (b, h, s, d)
                             dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # out: (b, s, h, d)
         return self.Wo(out.reshape(hidden_states.shape)), probs  # (b, s, H)
 
@@ -283,10 +237,9 @@ class BertImplPooler(nn.Module):
     def __init__(self, config: BertImplConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.activation = nn.Tanh()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.dense(hidden_states[:, 0]))  # (b, H)
+        return torch.tanh(self.dense(hidden_states[:, 0]))  # (b, H)
 
 
 class BertImplLMHead(nn.Module):
@@ -310,7 +263,8 @@ class BertImplPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["BertImplEmbeddings", "BertImplLayer"]
     _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": BertImplLayer, "attentions": OutputRecorder(BertImplSelfAttention, index=1)}
+    _can_record_outputs = {"hidden_states": BertImplLayer,
+                           "attentions": OutputRecorder(BertImplSelfAttention, index=1)}
     accepts_loss_kwargs = False  # a loss that is a mean over examples: Trainer divides by the accumulation steps
 
     def __init__(self, config: BertImplConfig, *inputs, **kwargs):
@@ -320,17 +274,17 @@ class BertImplPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         """normal(0, initializer_range) weights, zero biases, LayerNorm (1, 0), the sinusoidal table; loaded tensors
-        skipped. Word embeddings scaled by √d_model start at normal(0, 1/√d_model), unit scale in use (as [1]'s code)."""
+        skipped. Word embeddings scaled by √d_model start at normal(0, 1/√d_model), unit scale in use ([1]'s code)."""
         super()._init_weights(module)
         if not isinstance(module, BertImplEmbeddings):
             return
         if hasattr(module, "position_encoding"):
             (init or torch.Tensor).copy_(module.position_encoding, sinusoidal_position_encoding(
                 *module.position_encoding.shape))
-        if self.config.word_embedding_scale != 1.0:
-            weight, pad = module.word_embeddings.weight, module.word_embeddings.padding_idx
+        weight, pad = module.word_embeddings.weight, module.word_embeddings.padding_idx
+        if self.config.word_embedding_scale != 1.0 and not getattr(weight, "_is_hf_initialized", False):
             (init or nn.init).normal_(weight, mean=0.0, std=self.config.hidden_size**-0.5)
-            if pad is not None and not getattr(weight, "_is_hf_initialized", False):
+            if pad is not None:
                 weight[pad].zero_()
 
 
@@ -354,8 +308,8 @@ class BertImplModel(BertImplPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPooling:
         """input_ids, attention_mask, token_type_ids, position_ids: (b, s); inputs_embeds: (b, s, H). Returns
-        last_hidden_state (b, s, H), zeros at padding, pooler_output (b, H) and, when asked, hidden_states
-        (num_layers + 1) x (b, s, H) and attentions num_layers x (b, h, s, s) (recorded by transformers' hooks)."""
+        last_hidden_state (b, s, H), zeros at padding, and pooler_output (b, H); hidden states / attentions are
+        recorded by transformers' hooks."""
         _check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (b, s, H)
         packed = None  # a packed row (b = 1, position ids restarting at 0, no mask): attention within each sequence
@@ -365,8 +319,8 @@ class BertImplModel(BertImplPreTrainedModel):
                 kwargs.setdefault("position_ids", position_ids)  # flash's varlen path finds the sequences in them
             elif torch.compiler.is_compiling() or int(sequence[0, -1]) > 1:
                 packed = packed_sequence_mask_function(sequence)
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
-                                         and_mask_function=packed)
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                         attention_mask=attention_mask, and_mask_function=packed)
         for layer in self.layers:
             hidden_states = layer(hidden_states, mask, **kwargs)
         if attention_mask is not None:
@@ -375,15 +329,38 @@ class BertImplModel(BertImplPreTrainedModel):
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The heads, in transformers v5's shape: output flags travel in **kwargs to the encoder, return_dict=False gives tuples.
+class _BertImplHead(BertImplPreTrainedModel):  # output flags travel in **kwargs; return_dict=False gives tuples
+    """What every head shares: the encoder `bert` (pooled where `_pooled`), then its own modules (`_build`; by default
+    dropout, classifier_dropout or hidden's, and a linear classifier of `_outputs` or num_labels scores)."""
+
+    _pooled, _outputs = True, None
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertImplModel(config, add_pooling_layer=self._pooled)
+        self._build(config)
+        self.post_init()
+
+    def _build(self, config: BertImplConfig) -> None:
+        p = config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout
+        self.dropout = nn.Dropout(p)
+        self.classifier = nn.Linear(config.hidden_size, self._outputs or config.num_labels)
+
+    def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs):
+        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        return self.bert(*inputs, return_dict=True, **kwargs)
 
 
-class _BertImplMLMHeadModel(BertImplPreTrainedModel):
+class _BertImplMLMHeadModel(_BertImplHead):
     """What the two masked-LM heads share: the tied decoder and `num_items_in_batch`."""
 
     _tied_weights_keys = {"lm_head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
     accepts_loss_kwargs = True  # takes num_items_in_batch (see `masked_lm_loss`)
+
+    def _build(self, config: BertImplConfig) -> None:
+        self.lm_head = BertImplLMHead(config)
+        self.nsp_head = nn.Linear(config.hidden_size, 2) if self._pooled else None
 
     def get_output_embeddings(self):
         return self.lm_head.decoder
@@ -395,171 +372,122 @@ class _BertImplMLMHeadModel(BertImplPreTrainedModel):
         """The MLM head on (b, s, H) states -> logits (b, s, V), and `masked_lm_loss` when (b, s) labels are given."""
         if labels is not None and tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
             raise ValueError(f"labels have shape {tuple(labels.shape)} but the input has shape "
-                             f"{tuple(sequence_output.shape[:-1])}; pass one label per token (-100: nothing to predict)")
+                             f"{tuple(sequence_output.shape[:-1])}; pass one label per token (-100: none)")
         logits = self.lm_head(sequence_output)  # (b, s, V)
         return logits, None if labels is None else masked_lm_loss(logits, labels, num_items_in_batch)
 
 
 class BertImplForMaskedLM(_BertImplMLMHeadModel):
-    """Encoder + MLM head; the decoder weight is tied to the word embeddings."""
+    """Encoder + MLM head; the decoder weight is tied to the word embeddings. labels: (b, s), -100 where not masked."""
 
-    def __init__(self, config: BertImplConfig):
-        super().__init__(config)
-        self.bert = BertImplModel(config, add_pooling_layer=False)
-        self.lm_head = BertImplLMHead(config)
-        self.post_init()
+    _pooled = False
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, num_items_in_batch=None, **kwargs: Unpack[TransformersKwargs]) -> MaskedLMOutput:
-        """labels: (b, s), a token id at masked positions and -100 elsewhere. logits: (b, s, V)."""
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs)
-        logits, loss = self._mlm_logits_and_loss(out.last_hidden_state, labels, num_items_in_batch)
+        out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
+        logits, loss = self._mlm_logits_and_loss(out.last_hidden_state, labels, num_items_in_batch)  # (b, s, V)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
 
 
 class BertImplForPreTraining(_BertImplMLMHeadModel):
-    """Encoder + MLM head + next-sentence head, BERT's pretraining objective: L = L_MLM + L_NSP."""
-
-    def __init__(self, config: BertImplConfig):
-        super().__init__(config)
-        self.bert = BertImplModel(config)
-        self.lm_head = BertImplLMHead(config)
-        self.nsp_head = nn.Linear(config.hidden_size, 2)
-        self.post_init()
+    """Encoder + MLM head + next-sentence head: L = L_MLM + L_NSP. labels: (b, s), -100 = not masked;
+    next_sentence_label: (b,), 0 = B follows A. Under accumulation each micro-batch's NSP mean is weighted by its share
+    of the masked tokens."""
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, next_sentence_label=None, num_items_in_batch=None,
                 **kwargs: Unpack[TransformersKwargs]) -> BertImplForPreTrainingOutput:
-        """labels: (b, s) MLM targets (-100 = not masked); next_sentence_label: (b,), 0 = B follows A. Loss when both are
-        given: MLM + NSP cross-entropy; under accumulation each micro-batch's NSP mean is weighted by its masked share."""
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs)
+        out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         nsp_logits = self.nsp_head(out.pooler_output)  # (b, 2)
         both = labels is not None and next_sentence_label is not None
         logits, loss = self._mlm_logits_and_loss(out.last_hidden_state, labels if both else None, num_items_in_batch)
         if both:
             nsp = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
-            if num_items_in_batch is not None:
-                nsp = nsp * labels.ne(IGNORE_INDEX).sum() / num_items_in_batch
-            loss = loss + nsp
+            weight = 1.0 if num_items_in_batch is None else labels.ne(IGNORE_INDEX).sum() / num_items_in_batch
+            loss = loss + nsp * weight
         return BertImplForPreTrainingOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=nsp_logits,
                                             hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
-    """Encoder + pooler + next-sentence head (2 classes: 0 = B follows A, 1 = B is random)."""
+class BertImplForNextSentencePrediction(_BertImplHead):
+    """Encoder + pooler + next-sentence head (labels (b,): 0 = B follows A, 1 = B is random)."""
 
-    def __init__(self, config: BertImplConfig):
-        super().__init__(config)
-        self.bert = BertImplModel(config)
+    def _build(self, config: BertImplConfig) -> None:
         self.nsp_head = nn.Linear(config.hidden_size, 2)
-        self.post_init()
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, **kwargs: Unpack[TransformersKwargs]) -> NextSentencePredictorOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs)
+        out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.nsp_head(out.pooler_output)  # (b, 2)
         loss = F.cross_entropy(logits, labels.view(-1)) if labels is not None else None
-        return NextSentencePredictorOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                           attentions=out.attentions)
+        return NextSentencePredictorOutput(loss, logits, out.hidden_states, out.attentions)
 
 
-class _BertImplClassifierModel(BertImplPreTrainedModel):
-    """Three heads' parts: encoder (pooled unless `_pooled` is False), dropout (classifier_dropout, else hidden's),
-    classifier (one score per choice where `_one_score`)."""
-
-    _pooled, _one_score = True, False
-
-    def __init__(self, config: BertImplConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.bert = BertImplModel(config, add_pooling_layer=self._pooled)
-        p = config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout
-        self.dropout = nn.Dropout(p)
-        self.classifier = nn.Linear(config.hidden_size, 1 if self._one_score else config.num_labels)
-        self.post_init()
-
-
-class BertImplForSequenceClassification(_BertImplClassifierModel):
-    """Encoder + pooler + linear classifier. The loss follows `config.problem_type` (transformers'
-    ForSequenceClassificationLoss): "regression" (MSE; the default when num_labels == 1), "single_label_classification"
-    (cross-entropy; integer labels) or "multi_label_classification" (BCE with logits; float labels)."""
+class BertImplForSequenceClassification(_BertImplHead):
+    """Encoder + pooler + linear classifier; the loss follows `config.problem_type` (else "regression" for 1 label,
+    "multi_label_classification" for float labels, "single_label_classification"), as transformers' BERT."""
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, **kwargs: Unpack[TransformersKwargs]) -> SequenceClassifierOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs)
-        logits = self.classifier(self.dropout(out.pooler_output))  # (b, num_labels)
-        loss = None
+        out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
+        logits, loss = self.classifier(self.dropout(out.pooler_output)), None  # (b, num_labels)
         if labels is not None:  # regression and multi-label targets in the logits' dtype (int scores, bf16)
-            problem = self.config.problem_type or ("regression" if self.num_labels == 1 else "multi_label_classification"
-                                                   if labels.is_floating_point() else "single_label_classification")
-            single = problem == "single_label_classification"
-            loss = self.loss_function(labels if single else labels.to(logits.dtype), logits, self.config)
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                        attentions=out.attentions)
+            multi = "multi_label_classification" if labels.is_floating_point() else "single_label_classification"
+            problem = self.config.problem_type or ("regression" if self.num_labels == 1 else multi)
+            labels = labels if problem == "single_label_classification" else labels.to(logits.dtype)
+            loss = self.loss_function(labels, logits, self.config)
+        return SequenceClassifierOutput(loss, logits, out.hidden_states, out.attentions)
 
 
-class BertImplForTokenClassification(_BertImplClassifierModel):
-    """Encoder + per-token linear classifier (NER, POS); labels -100 are ignored."""
+class BertImplForTokenClassification(_BertImplHead):
+    """Encoder + per-token linear classifier (NER, POS); labels (b, s), -100 ignored."""
 
     _pooled = False
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, **kwargs: Unpack[TransformersKwargs]) -> TokenClassifierOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs)
+        out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (b, s, num_labels)
         loss = self.loss_function(logits, labels, self.config) if labels is not None else None
-        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return TokenClassifierOutput(loss, logits, out.hidden_states, out.attentions)
 
 
-class BertImplForQuestionAnswering(BertImplPreTrainedModel):
+class BertImplForQuestionAnswering(_BertImplHead):
     """Encoder + span head: start and end logits per token (extractive QA); answers truncated away are ignored."""
 
-    def __init__(self, config: BertImplConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.bert = BertImplModel(config, add_pooling_layer=False)
+    _pooled = False
+
+    def _build(self, config: BertImplConfig) -> None:
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 start_positions=None, end_positions=None,
                 **kwargs: Unpack[TransformersKwargs]) -> QuestionAnsweringModelOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True, **kwargs)
+        out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.qa_outputs(out.last_hidden_state)  # (b, s, 2)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))  # 2 x (b, s)
         both = start_positions is not None and end_positions is not None
         loss = self.loss_function(start_logits, end_logits, start_positions, end_positions) if both else None
-        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                            hidden_states=out.hidden_states, attentions=out.attentions)
+        return QuestionAnsweringModelOutput(loss, start_logits, end_logits, out.hidden_states, out.attentions)
 
 
-class BertImplForMultipleChoice(_BertImplClassifierModel):
-    """Encoder + pooler + one score per choice; inputs are (b, c, s), logits (b, c)."""
+class BertImplForMultipleChoice(_BertImplHead):
+    """Encoder + pooler + one score per choice; inputs are (b, c, s), logits (b, c), labels (b,)."""
 
-    _one_score = True
+    _outputs = 1
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, **kwargs: Unpack[TransformersKwargs]) -> MultipleChoiceModelOutput:
-        num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        flat = (t.flatten(0, 1) if t is not None else None for t in inputs)  # (b*c, s[, H])
-        out = self.bert(*flat, return_dict=True, **kwargs)
-        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (b, c)
+        out = self._encode(*(t.flatten(0, 1) if t is not None else None for t in inputs), kwargs)  # (b*c, s[, H])
+        choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, choices)  # (b, c)
         loss = F.cross_entropy(logits, labels.view(-1)) if labels is not None else None
-        return MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                         attentions=out.attentions)
-
-
-__all__ = [
-    "BertImplPreTrainedModel", "BertImplModel", "BertImplForMaskedLM", "BertImplForPreTraining",
-    "BertImplForNextSentencePrediction", "BertImplForSequenceClassification", "BertImplForTokenClassification",
-    "BertImplForQuestionAnswering", "BertImplForMultipleChoice", "BertImplForPreTrainingOutput",
-    "sinusoidal_position_encoding", "eager_attention_forward", "masked_lm_loss",
-]
+        return MultipleChoiceModelOutput(loss, logits, out.hidden_states, out.attentions)
