@@ -1,11 +1,6 @@
 """BertImplConfig: the configuration of hf-bert-impl's BERT encoder (travels to the Hub beside modeling_bert_impl.py).
-
-Field names and defaults follow `transformers.BertConfig` (bert-base sizes), plus `position_embedding_type`
-("sinusoidal", the default: Vaswani et al. 2017's formula; or "learned", a trained table as in Google's BERT) and
-`scale_word_embeddings`. Each field is checked at construction (a ValueError names the field, the value and what is
-accepted); checks that couple fields (hidden size divisible by the head count) run when the model is built, as in
-transformers' BERT. Imports only transformers; an older transformers than 4.57 gets one ImportError naming the version.
-"""
+Fields and defaults as `transformers.BertConfig`'s, plus two; each is checked at construction (a ValueError names the
+field and value); checks coupling fields (hidden size divisible by the head count) run when the model is built."""
 
 import re
 
@@ -15,8 +10,7 @@ from transformers import PretrainedConfig
 MIN_TRANSFORMERS = (4, 57, 0)  # the oldest transformers the Hub files run on (4.57 is the last v4 line)
 
 
-def require_transformers(version: str = transformers.__version__) -> None:
-    """One ImportError naming the transformers needed when `version` is older than MIN_TRANSFORMERS."""
+def require_transformers(version: str = transformers.__version__) -> None:  # one ImportError naming what is needed
     if tuple(int(x) for x in re.findall(r"\d+", version)[:3]) < MIN_TRANSFORMERS:
         need = ".".join(map(str, MIN_TRANSFORMERS))
         raise ImportError(f"this bert_impl model needs transformers>={need} (4.57.x or any 5.x), but transformers "
@@ -32,7 +26,7 @@ AUTO_MAP = {"AutoConfig": "configuration_bert_impl.BertImplConfig", "AutoModel":
             **{f"AutoModelFor{task}": f"modeling_bert_impl.BertImplFor{task}" for task in (
                 "MaskedLM", "PreTraining", "NextSentencePrediction", "SequenceClassification", "TokenClassification",
                 "QuestionAnswering", "MultipleChoice")}}
-# Named sizes: "debug" is the odd-sized flavour of the smoke tests; the others are BERT's / Turc et al. (2019)'s.
+# Named sizes: "debug" (odd sizes) for smoke tests; the others are BERT's and Turc et al. (2019)'s.
 SIZE_PRESETS = {
     "debug": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37),
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
@@ -60,13 +54,10 @@ def word_embedding_scale(scale_word_embeddings: bool | None, position_embedding_
 
 class BertImplConfig(PretrainedConfig):
     r"""Configuration of a [`BertImplModel`] and its heads. Arguments as `transformers.BertConfig`'s, plus:
-
-        position_embedding_type: "sinusoidal" (PE(pos, 2i) = sin(pos / 10000^{2i/d}), PE(pos, 2i+1) = cos(...), not
-            stored in checkpoints, any length) or "learned" (a trained table of `max_position_embeddings` rows).
+        position_embedding_type: "sinusoidal" (Vaswani et al. 2017's PE(pos, 2i) = sin(pos / 10000^{2i/d}),
+            PE(pos, 2i+1) = cos(...); not stored, any length) or "learned" (a table of `max_position_embeddings` rows).
         scale_word_embeddings: multiply the word embeddings by √hidden_size before the positions are added (Vaswani
-            et al. 2017, section 3.4). None (default): True with sinusoidal positions, False with learned ones. Without
-            it the unit-amplitude encoding drowns the word signal of small-initialised embeddings (docs/formulas.md).
-    """
+            et al. 2017, §3.4). None (default): True with sinusoidal positions, False with learned ones."""
 
     model_type = "bert_impl"
 
@@ -76,21 +67,13 @@ class BertImplConfig(PretrainedConfig):
                  max_position_embeddings: int = 512, type_vocab_size: int = 2, initializer_range: float = 0.02,
                  layer_norm_eps: float = 1e-12, pad_token_id: int | None = 0, classifier_dropout: float | None = None,
                  position_embedding_type: str = "sinusoidal", scale_word_embeddings: bool | None = None, **kwargs):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size
-        self.hidden_act = hidden_act
-        self.hidden_dropout_prob = hidden_dropout_prob
-        self.attention_probs_dropout_prob = attention_probs_dropout_prob
-        self.max_position_embeddings = max_position_embeddings
-        self.type_vocab_size = type_vocab_size
-        self.initializer_range = initializer_range
-        self.layer_norm_eps = layer_norm_eps
-        self.classifier_dropout = classifier_dropout
-        self.position_embedding_type = position_embedding_type
-        self.scale_word_embeddings = scale_word_embeddings
+        self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
+        self.num_attention_heads, self.intermediate_size = num_attention_heads, intermediate_size
+        self.hidden_act, self.hidden_dropout_prob = hidden_act, hidden_dropout_prob
+        self.attention_probs_dropout_prob, self.classifier_dropout = attention_probs_dropout_prob, classifier_dropout
+        self.max_position_embeddings, self.type_vocab_size = max_position_embeddings, type_vocab_size
+        self.initializer_range, self.layer_norm_eps = initializer_range, layer_norm_eps
+        self.position_embedding_type, self.scale_word_embeddings = position_embedding_type, scale_word_embeddings
         _validate(self, pad_token_id)
         for name in RETIRED_FIELDS:
             kwargs.pop(name, None)
@@ -112,8 +95,7 @@ class BertImplConfig(PretrainedConfig):
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
-        """transformers' reader, refusing a config.json of another model type (transformers only warns, then builds
-        our model with defaults and random weights)."""
+        """transformers' reader, refusing a config.json of another model type (transformers only warns)."""
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         model_type, source = config_dict.get("model_type"), str(pretrained_model_name_or_path)
         if model_type == "bert":
@@ -127,8 +109,8 @@ class BertImplConfig(PretrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
-        """transformers' `from_dict`; a saved config (one that carries our model_type) must state `REQUIRED_FIELDS`.
-        Overrides of our fields (`from_pretrained(dir, hidden_size=...)`) are checked with the others."""
+        """transformers' `from_dict`; a saved config (with our model_type) must state `REQUIRED_FIELDS`. Overrides of
+        our fields (`from_pretrained(dir, hidden_size=...)`) are checked with the others."""
         fields = cls.__init__.__code__.co_varnames[1:cls.__init__.__code__.co_argcount]
         config_dict = {**config_dict, **{k: kwargs.pop(k) for k in list(kwargs) if k in fields}}
         if config_dict.get("model_type") == cls.model_type:
@@ -142,30 +124,24 @@ class BertImplConfig(PretrainedConfig):
 
 def _validate(c: BertImplConfig, pad_token_id) -> None:
     """ValueError naming the first field whose value is not accepted, the value and what is."""
+    def number(v, kinds=(int, float)):  # bool is an int, but not a number here
+        return isinstance(v, kinds) and not isinstance(v, bool)
+
+    hint = " (transformers' 'absolute' is our 'learned')" if c.position_embedding_type == "absolute" else ""
     counts = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
               "max_position_embeddings", "type_vocab_size")
-    probabilities = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")
-    checks = [(f, getattr(c, f), "a positive integer", lambda v: _integer(v) and v > 0) for f in counts]
-    checks += [(f, getattr(c, f), "a probability in [0, 1)", lambda v: _number(v) and 0 <= v < 1) for f in probabilities]
-    checks += [(f, getattr(c, f), "a positive number", lambda v: _number(v) and v > 0)
-               for f in ("initializer_range", "layer_norm_eps")]
-    hint = " (transformers' 'absolute' is our 'learned')" if c.position_embedding_type == "absolute" else ""
-    checks += [("position_embedding_type", c.position_embedding_type, f"one of {POSITION_EMBEDDING_TYPES}{hint}",
-                lambda v: v in POSITION_EMBEDDING_TYPES),
-               ("hidden_act", c.hidden_act, f"one of {HIDDEN_ACTS}", lambda v: v in HIDDEN_ACTS),
-               ("scale_word_embeddings", c.scale_word_embeddings, "None, True or False", lambda v: isinstance(v, bool)),
-               ("pad_token_id", pad_token_id, "a token id (an integer >= 0) or None", lambda v: _integer(v) and v >= 0)]
-    for field, value, accepted, ok in checks:
-        if not (ok(value) or value is None and field in ("classifier_dropout", "scale_word_embeddings", "pad_token_id")):
+    rules = {**dict.fromkeys(counts, ("a positive integer", lambda v: number(v, int) and v > 0)),
+             **dict.fromkeys(("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"),
+                             ("a probability in [0, 1)", lambda v: number(v) and 0 <= v < 1)),
+             **dict.fromkeys(("initializer_range", "layer_norm_eps"),
+                             ("a positive number", lambda v: number(v) and v > 0)),
+             "position_embedding_type": (f"one of {POSITION_EMBEDDING_TYPES}{hint}",
+                                         POSITION_EMBEDDING_TYPES.__contains__),
+             "hidden_act": (f"one of {HIDDEN_ACTS}", HIDDEN_ACTS.__contains__),
+             "scale_word_embeddings": ("None, True or False", lambda v: isinstance(v, bool)),
+             "pad_token_id": ("a token id (an integer >= 0) or None", lambda v: number(v, int) and v >= 0)}
+    optional = ("classifier_dropout", "scale_word_embeddings", "pad_token_id")  # None is accepted
+    for field, (accepted, ok) in rules.items():
+        value = pad_token_id if field == "pad_token_id" else getattr(c, field)
+        if not (ok(value) or value is None and field in optional):
             raise ValueError(f"BertImplConfig.{field} must be {accepted}, got {value!r}")
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-__all__ = ["BertImplConfig", "SIZE_PRESETS", "AUTO_MAP", "REQUIRED_FIELDS"]
