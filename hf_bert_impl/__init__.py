@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from . import modeling_bert_impl
 from .configuration_bert_impl import AUTO_MAP, SIZE_PRESETS, BertImplConfig
 from .heads import HEAD_TABLE
+from .kernels_bert_impl import kernelize, kernelized
 from .modeling_bert_impl import (  # the heads by name, for editors; HEADS below is read off the table
     BertImplForMaskedLM,
     BertImplForMultipleChoice,
@@ -29,7 +30,6 @@ from .modeling_bert_impl import (  # the heads by name, for editors; HEADS below
     sinusoidal_position_encoding,
 )
 
-from .kernels_bert_impl import kernelize, kernelized
 
 __version__ = "0.6.0"
 
@@ -46,6 +46,19 @@ def _register():
 
 
 _register()
+
+
+def _register_peft_defaults():
+    """peft's LoRA default for our model_type (its table has "bert": query, value): the fused projection Wqkv, so
+    `LoraConfig()` without target_modules works on our models as on BertModel. Only where peft is installed."""
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as lora_defaults
+    except ImportError:
+        return
+    lora_defaults.setdefault(BertImplConfig.model_type, ["Wqkv"])
+
+
+_register_peft_defaults()
 
 __all__ = [
     "AUTO_MAP",

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+
 STATE_FILE = "time_budget_state.json"
 _SCHEDULE_RESOLUTION = 100_000  # the named schedule is read on a grid of this many points over the budget
 
@@ -47,7 +48,8 @@ class TimeBudget(TrainerCallback):
             raise ValueError(f"a time budget must be a positive number of seconds, got {seconds!r}")
         if eval_interval is not None and eval_interval <= 0:
             raise ValueError(f"eval_interval must be a positive number of seconds, got {eval_interval!r}")
-        self.seconds, self.eval_interval, self.resume_from, self.clock = float(seconds), eval_interval, resume_from, clock
+        self.seconds, self.eval_interval = float(seconds), eval_interval
+        self.resume_from, self.clock = resume_from, clock
         self.started = None  # clock value at on_train_begin
         self.excluded = 0.0  # seconds of evaluating / logging / saving since then
         self.carried = 0.0  # training seconds of the run this one resumes
@@ -85,12 +87,18 @@ class TimeBudget(TrainerCallback):
 
         inner = getattr(scheduler, "scheduler", scheduler)  # accelerate may wrap it
         if not isinstance(inner, torch.optim.lr_scheduler.LambdaLR):
-            raise ValueError(f"a time budget needs a LambdaLR schedule (transformers' get_scheduler types), "
-                             f"got {type(inner).__name__} for lr_scheduler_type {args.lr_scheduler_type!r}")
+            raise ValueError(
+                f"a time budget needs a LambdaLR schedule (transformers' get_scheduler types), "
+                f"got {type(inner).__name__} for lr_scheduler_type {args.lr_scheduler_type!r}"
+            )
         probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        shape = get_scheduler(args.lr_scheduler_type, probe, num_warmup_steps=0,
-                              num_training_steps=_SCHEDULE_RESOLUTION,
-                              scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs or {})).lr_lambdas[0]
+        shape = get_scheduler(
+            args.lr_scheduler_type,
+            probe,
+            num_warmup_steps=0,
+            num_training_steps=_SCHEDULE_RESOLUTION,
+            scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs or {}),
+        ).lr_lambdas[0]
         steps = args.warmup_steps or 0  # transformers 5 reads warmup_steps < 1 as a share; 4.x has warmup_ratio
         warmup_steps = int(steps) if steps >= 1 else 0
         warmup_ratio = 0.0 if warmup_steps else (steps or getattr(args, "warmup_ratio", 0.0) or 0.0)
@@ -116,8 +124,10 @@ class TimeBudget(TrainerCallback):
         if self.resume_from is not None:
             path = Path(self.resume_from, STATE_FILE)
             if not path.is_file():
-                raise ValueError(f"{self.resume_from} has no {STATE_FILE}: it was not saved by a run with a time "
-                                 "budget, so the resumed run cannot know how much of the budget was spent")
+                raise ValueError(
+                    f"{self.resume_from} has no {STATE_FILE}: it was not saved by a run with a time "
+                    "budget, so the resumed run cannot know how much of the budget was spent"
+                )
             self.carried = float(json.loads(path.read_text())["training_seconds"])
             if self.eval_interval:
                 self.next_eval = (int(self.carried // self.eval_interval) + 1) * self.eval_interval
@@ -128,8 +138,13 @@ class TimeBudget(TrainerCallback):
         if state.is_world_process_zero and not args.disable_tqdm:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=round(self.seconds), initial=round(min(self.carried, self.seconds)), dynamic_ncols=True,
-                            desc="training for a time budget", bar_format="{l_bar}{bar}| {n}/{total} s{postfix}")
+            self.bar = tqdm(
+                total=round(self.seconds),
+                initial=round(min(self.carried, self.seconds)),
+                dynamic_ncols=True,
+                desc="training for a time budget",
+                bar_format="{l_bar}{bar}| {n}/{total} s{postfix}",
+            )
 
     def on_step_end(self, args, state, control, **kwargs):
         self.mark = self.clock()

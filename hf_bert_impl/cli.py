@@ -1,7 +1,7 @@
-"""The training scripts' command-line plumbing: argument preamble, one-line errors, and the end of a
-run (save, training_facts.json, loss-curve PNG, model card) that `scripts/pretrain_mlm.py` and
-`scripts/finetune.py` share; the machine record and JSON file of the benchmark scripts. The data
-they train on is in `hf_bert_impl.data`.
+"""The training scripts' command-line plumbing: argument preamble, one-line errors, the speed layer (`--kernels`), and
+the end of a run (save, training_facts.json, loss-curve PNG, model card) that `scripts/pretrain_mlm.py` and
+`scripts/finetune.py` share; the machine record and JSON file of the benchmark scripts. The data they train on is in
+`hf_bert_impl.data`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import math
 import os
 import platform
 import sys
+from collections import Counter
 from pathlib import Path
 
+from . import saving
 from .hub import FACTS_FILE, save_model_card
+
 
 LOSS_CURVE_FILE = "loss_curve.png"
 
@@ -140,10 +143,77 @@ def default_logging_steps(training_args, num_update_steps: int | None = None) ->
             training_args.logging_steps = max(1, steps // 50)
 
 
+KERNELS_HELP = ("the speed layer (hf_bert_impl.kernelize): auto (each kernel measured against the plain model on this "
+                "machine, kept where it agrees and is faster), reference (the plain model) or kernel names to force, "
+                "comma-separated (hf_bert_impl.kernels_bert_impl.KERNELS). The saved model is the same either way.")
+
+
+def check_kernels_argument(kernels: str) -> None:
+    """`--kernels`: a UsageError naming the value unless it is auto, reference or kernel names."""
+    from .kernels_bert_impl import kernel_names
+
+    try:
+        kernel_names(kernels)
+    except ValueError as e:
+        raise UsageError(f"--kernels: {e}") from None
+
+
+def apply_kernels(model, kernels: str, logger, sparse_prediction: bool = False):
+    """`hf_bert_impl.kernelize(model, kernels, sparse_prediction=...)`, logged; returns the model. The config and
+    the saved files stay those of the plain model."""
+    from .kernels_bert_impl import kernelize, kernelized
+
+    check_kernels_argument(kernels)
+    kernelize(model, kernels, sparse_prediction=sparse_prediction)
+    logger.info("kernels %r (sparse_prediction=%s): %d modules run the speed layer", kernels, sparse_prediction,
+                len(kernelized(model)))
+    return model
+
+
+def kernel_facts(model, kernels: str, measured_before: float = 0.0) -> dict:
+    """What the speed layer did in this run, for training_facts.json: the setting, whether the MLM decoder ran on
+    labelled positions only (sparse prediction), the choices "auto" made in this process
+    (kernels_bert_impl.chosen_kernels(): {"point|device|dtype|shape class": kernel or "reference"}), the seconds spent
+    measuring since `measured_before` (kernels_bert_impl.measurement_seconds() when the run began) and how many of the
+    model's modules run each kernel function (none for "reference": the plain model)."""
+    from .kernels_bert_impl import chosen_kernels, kernelized, measurement_seconds, parse_setting
+
+    setting = parse_setting(kernels)
+    functions = Counter(kernelized(model).values())
+    return {
+        "setting": kernels,
+        "sparse_prediction": "_sparse_mlm_logits_and_loss" in functions,
+        "chosen": chosen_kernels() if setting == "auto" else setting if setting == "reference" else sorted(setting),
+        "measurement_seconds": round(measurement_seconds() - measured_before, 3),
+        "modules": dict(sorted(functions.items())),
+    }
+
+
+def log_kernel_facts(facts: dict, logger) -> None:
+    """The kernels a run used, one line each, on `logger` (info)."""
+    chosen = facts["chosen"]
+    if not isinstance(chosen, dict):
+        logger.info("kernels %s: %s", facts["setting"], chosen)
+        return
+    counts = ", ".join(f"{name} x{n}" for name, n in sorted(Counter(chosen.values()).items()))
+    logger.info(
+        "kernels auto: %d choices (%s), measuring took %.2f s",
+        len(chosen),
+        counts or "none",
+        facts["measurement_seconds"],
+    )
+    for key, name in sorted(chosen.items()):
+        logger.info("  %s -> %s", key, name)
+
+
 def save_trained(trainer, train_result) -> dict:
-    """Right after `trainer.train()`: the model and tokenizer (`trainer.save_model`) and the trainer
-    state into `--output_dir`; logs the training metrics and returns them."""
-    trainer.save_model()
+    """Right after `trainer.train()`: the model, the tokenizer and training_args.bin (`trainer.save_model`) into
+    `--output_dir`, each file complete under a temporary name first, then moved into place (`hf_bert_impl.saving`:
+    a crash never leaves a torn file there), and the trainer state; logs the training metrics and returns them.
+    Every process stages its own writes (the other ranks join save_model's collectives and write nothing, or their
+    own shards under DeepSpeed / sharded FSDP)."""
+    with saving.staged(trainer.args.output_dir) as staging:
+        trainer.save_model(staging)
     trainer.save_state()
     metrics = dict(train_result.metrics)
     trainer.log_metrics("train", metrics)
@@ -192,9 +262,15 @@ def machine_record(device=None) -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "hf_bert_impl": __version__}
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "hf_bert_impl": __version__,
+    }
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     try:

@@ -4,9 +4,8 @@
 Where an API the scripts, conversion or Hub helpers use differs between those releases, it gets one
 small named function here, and the rest of the package calls that function; never a version check
 scattered through the code. Each shim uses the newer API when it exists (detected by the API itself,
-not by a version number) and says what the older release lacks. The Hub files (modeling_,
-configuration_, kernels_, checkpoint_bert_impl.py) keep their own shims: they travel without this
-package. tests/test_compat.py runs the scripts, the conversion and the card rendering under
+not by a version number) and says what the older release lacks. The Hub files (modeling_ and
+configuration_bert_impl.py) keep their own shims: they travel without this package. tests/test_compat.py runs the scripts, the conversion and the card rendering under
 transformers 4.57.6 and 5.0.0 (docs/compatibility.md).
 
 | shim | transformers 5.x / huggingface_hub 1.x | transformers 4.57 / huggingface_hub 0.3x |

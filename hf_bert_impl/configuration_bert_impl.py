@@ -7,6 +7,7 @@ import re
 import transformers
 from transformers import PretrainedConfig
 
+
 MIN_TRANSFORMERS = (4, 57, 0)  # the oldest transformers the Hub files run on (4.57 is the last v4 line)
 
 
@@ -28,13 +29,13 @@ AUTO_MAP = {"AutoConfig": "configuration_bert_impl.BertImplConfig", "AutoModel":
                 "QuestionAnswering", "MultipleChoice")}}
 # Named sizes: "debug" (odd sizes) for smoke tests; the others are BERT's and Turc et al. (2019)'s.
 SIZE_PRESETS = {
-    "debug": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37),
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-    "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
-    "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048),
-    "medium": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, intermediate_size=2048),
-    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
-    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "debug": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 37},
+    "tiny": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 512},
+    "mini": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024},
+    "small": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "intermediate_size": 2048},
+    "medium": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 2048},
+    "base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
+    "large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096},
 }
 # Fields that decide the weights' shapes or numerics: a saved config must state each (a default would silently load
 # the weights into another model). SAVED_BEFORE: fields added later, with the value that reproduces an older save.

@@ -34,6 +34,7 @@ from transformers import BertTokenizerFast, TrainerCallback
 from .cli import UsageError
 from .compat import bert_tokenizer_from_vocab, language_modeling_collator
 
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 IGNORE_INDEX = -100
 DEFAULT_CORPUS_NAME = (
@@ -248,12 +249,21 @@ def tokenize_and_group(dataset, tokenizer, max_seq_length: int, text_column: str
 
     if isinstance(dataset, datasets.IterableDataset):  # streamed: tokenized and grouped lazily, batch by batch
         tokenized = dataset.select_columns([text_column]).map(tokenize, batched=True, remove_columns=[text_column])
-        return tokenized.map(group, batched=True, batch_size=1000, remove_columns=["ids"] + (["offsets"] if with_offsets else []))
+        spent = ["ids"] + (["offsets"] if with_offsets else [])
+        return tokenized.map(group, batched=True, batch_size=1000, remove_columns=spent)
     tokenized = dataset.map(
-        tokenize, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc=f"Tokenizing {desc}".strip()
+        tokenize,
+        batched=True,
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+        desc=f"Tokenizing {desc}".strip(),
     )
     return tokenized.map(
-        group, batched=True, batch_size=1000, remove_columns=tokenized.column_names, num_proc=num_proc,
+        group,
+        batched=True,
+        batch_size=1000,
+        remove_columns=tokenized.column_names,
+        num_proc=num_proc,
         desc=f"Grouping {desc} into blocks of {max_seq_length}".strip(),
     )
 
@@ -305,13 +315,26 @@ class MLMCollator:
     The cost is one masking call of the library per batch (the draw covers N*B rows, so a process of
     N pays for the draws of N; drawing is a small part of the call)."""
 
-    def __init__(self, tokenizer, mlm_probability: float = 0.15, whole_word_mask: bool = False, pad_to_multiple_of=None,
-                 seed: int | None = None, rank: int = 0, world_size: int = 1, max_length: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        mlm_probability: float = 0.15,
+        whole_word_mask: bool = False,
+        pad_to_multiple_of=None,
+        seed: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        max_length: int | None = None,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not a process of world_size {world_size}")
         self.tokenizer, self.pad_to_multiple_of, self.max_length = tokenizer, pad_to_multiple_of, max_length
-        self.mlm = language_modeling_collator(tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask,
-                                              pad_to_multiple_of=pad_to_multiple_of)
+        self.mlm = language_modeling_collator(
+            tokenizer,
+            mlm_probability=mlm_probability,
+            whole_word_mask=whole_word_mask,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
         self.seed, self.rank, self.world_size, self.batches_made = seed, rank, world_size, 0
 
     def __call__(self, features):
@@ -319,9 +342,14 @@ class MLMCollator:
             return self.mlm(features)
         labels = [list(f["labels"]) for f in features] if "labels" in features[0] else None
         # Masked once already: only padded. To be masked: special_tokens_mask goes through (padding positions are 1).
-        drop = ("labels", "offset_mapping", "special_tokens_mask") if labels is not None else ("labels", "offset_mapping")
-        batch = self.tokenizer.pad([{k: v for k, v in f.items() if k not in drop} for f in features],
-                                   return_tensors="pt", pad_to_multiple_of=self.pad_to_multiple_of)
+        drop = (
+            ("labels", "offset_mapping", "special_tokens_mask") if labels is not None else ("labels", "offset_mapping")
+        )
+        batch = self.tokenizer.pad(
+            [{k: v for k, v in f.items() if k not in drop} for f in features],
+            return_tensors="pt",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
         width = batch["input_ids"].shape[1]
         if labels is not None:  # masked once already: pad the labels too
             batch["labels"] = torch.tensor([l + [IGNORE_INDEX] * (width - len(l)) for l in labels])
@@ -342,8 +370,12 @@ class MLMCollator:
         if width > cols:
             raise ValueError(f"a batch of width {width} is wider than the collator's max_length {cols}")
         if special_tokens_mask is None:
-            special_tokens_mask = torch.tensor([self.tokenizer.get_special_tokens_mask(row, already_has_special_tokens=True)
-                                                for row in input_ids.tolist()])
+            special_tokens_mask = torch.tensor(
+                [
+                    self.tokenizer.get_special_tokens_mask(row, already_has_special_tokens=True)
+                    for row in input_ids.tolist()
+                ]
+            )
         rows = slice(self.rank * b, (self.rank + 1) * b)
         # The global batch; other processes' rows hold padding. A draw depends only on its place in the
         # (world_size * b, cols) grid, never on the values of the other rows.
@@ -372,7 +404,9 @@ def tokenize_documents(dataset, tokenizer, max_seq_length: int, text_column: str
 
     def tokenize(batch):
         pieces = []
-        for ids in tokenizer([t for t in batch[text_column] if isinstance(t, str)], add_special_tokens=False)["input_ids"]:
+        for ids in tokenizer([t for t in batch[text_column] if isinstance(t, str)], add_special_tokens=False)[
+            "input_ids"
+        ]:
             pieces.extend(ids[i : i + body] for i in range(0, len(ids), body))
         return {
             "input_ids": [[cls_id, *p, sep_id] for p in pieces],
@@ -381,8 +415,13 @@ def tokenize_documents(dataset, tokenizer, max_seq_length: int, text_column: str
 
     if isinstance(dataset, datasets.IterableDataset):
         return dataset.select_columns([text_column]).map(tokenize, batched=True, remove_columns=[text_column])
-    return dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
-                       desc=f"Tokenizing {desc} (one sequence per text)".strip())
+    return dataset.map(
+        tokenize,
+        batched=True,
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+        desc=f"Tokenizing {desc} (one sequence per text)".strip(),
+    )
 
 
 class PackedMLMCollator:
@@ -391,7 +430,7 @@ class PackedMLMCollator:
     `position_ids` restarting at 0 per sequence, which the model reads as sequence boundaries
     (attention stays inside each sequence)."""
 
-    def __init__(self, mlm_collator: "MLMCollator"):
+    def __init__(self, mlm_collator: MLMCollator):
         from transformers import DataCollatorWithFlattening
 
         self.inner = mlm_collator
@@ -409,8 +448,10 @@ class PackedMLMCollator:
     def __call__(self, features):
         batch = self.inner(features)
         keep = batch["attention_mask"].bool()
-        rows = [{"input_ids": batch["input_ids"][i][keep[i]].tolist(), "labels": batch["labels"][i][keep[i]].tolist()}
-                for i in range(keep.shape[0])]
+        rows = [
+            {"input_ids": batch["input_ids"][i][keep[i]].tolist(), "labels": batch["labels"][i][keep[i]].tolist()}
+            for i in range(keep.shape[0])
+        ]
         return self.flatten(rows)
 
 
@@ -432,8 +473,10 @@ class MaskingResumeCallback(TrainerCallback):
             return
         path = os.path.join(self.resume_from, self.FILE)
         if not os.path.isfile(path):
-            raise UsageError(f"{self.resume_from} has no {self.FILE}: it was not written by this script with per-batch "
-                             "masking, so the resumed run cannot mask the next batches as the interrupted one would")
+            raise UsageError(
+                f"{self.resume_from} has no {self.FILE}: it was not written by this script with per-batch "
+                "masking, so the resumed run cannot mask the next batches as the interrupted one would"
+            )
         self.consumed = json.loads(Path(path).read_text())["batches_consumed"]
         self.collator.batches_made = self.consumed
 
@@ -452,8 +495,9 @@ class MaskingResumeCallback(TrainerCallback):
 def mask_once(dataset, tokenizer, seed: int, mlm_probability: float = 0.15, whole_word_mask: bool = False):
     """Static masking (as the original BERT data pipeline): apply the MLM masking once, with a fixed
     seed, and store input_ids and labels in the dataset."""
-    collator = language_modeling_collator(tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask,
-                                          seed=seed, return_tensors="np")
+    collator = language_modeling_collator(
+        tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask, seed=seed, return_tensors="np"
+    )
 
     def apply(batch):
         keys = [k for k in batch if k != "labels"]
@@ -475,7 +519,9 @@ def unigram_loss(train_blocks, eval_masked, vocab_size: int) -> float:
     """The loss of a model that ignores context: the cross-entropy of the held-out masked tokens (`eval_masked`'s
     labels) under the training blocks' token frequencies (add-one smoothed). exp() of it is the baseline a
     pretraining's perplexity is read against; a model that has learned nothing about context sits there."""
-    counts = np.bincount(np.concatenate([np.asarray(row) for row in train_blocks["input_ids"]]), minlength=vocab_size) + 1.0
+    counts = (
+        np.bincount(np.concatenate([np.asarray(row) for row in train_blocks["input_ids"]]), minlength=vocab_size) + 1.0
+    )
     logp = np.log(counts / counts.sum())
     labels = np.concatenate([np.asarray(row) for row in eval_masked["labels"]])
     return float(-logp[labels[labels != IGNORE_INDEX]].mean())
@@ -493,8 +539,22 @@ def stdlib_docstrings() -> list[str]:
     import pkgutil
     import warnings
 
-    skip = ("test", "idlelib", "tkinter", "turtle", "turtledemo", "this", "antigravity", "lib2to3", "ensurepip", "venv",
-            "pydoc_data", "__phello__", "msilib", "xxsubtype")
+    skip = (
+        "test",
+        "idlelib",
+        "tkinter",
+        "turtle",
+        "turtledemo",
+        "this",
+        "antigravity",
+        "lib2to3",
+        "ensurepip",
+        "venv",
+        "pydoc_data",
+        "__phello__",
+        "msilib",
+        "xxsubtype",
+    )
     texts, seen = [], set()
     for name in sorted(m.name for m in pkgutil.iter_modules() if m.module_finder.path.startswith(sys.base_prefix)):
         if name.startswith("_") or name in skip:
@@ -505,8 +565,11 @@ def stdlib_docstrings() -> list[str]:
                 module = importlib.import_module(name)
         except Exception:  # noqa: BLE001  a module this platform cannot import (msvcrt, ...): not part of the corpus
             continue
-        objects = [module] + [obj for _, obj in sorted(vars(module).items())
-                              if not _.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))]
+        objects = [module] + [
+            obj
+            for _, obj in sorted(vars(module).items())
+            if not _.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))
+        ]
         for obj in objects:
             doc = inspect.getdoc(obj) or ""
             for paragraph in doc.split("\n\n"):
@@ -525,13 +588,22 @@ def benchmark_corpus(name: str) -> tuple[datasets.Dataset, datasets.Dataset, str
         raw = default_corpus_dataset()
         return raw["train"], raw["validation"], DEFAULT_CORPUS_NAME
     if name == "stdlib_docstrings":
-        texts, description = stdlib_docstrings(), f"docstrings of the Python {sys.version_info.major}.{sys.version_info.minor} standard library"
+        texts, description = (
+            stdlib_docstrings(),
+            f"docstrings of the Python {sys.version_info.major}.{sys.version_info.minor} standard library",
+        )
     else:
         texts = [t for t in load_data_files(train_file=name)["train"]["text"] if isinstance(t, str) and t.strip()]
         description = name
     held = set(range(0, len(texts), 10))
-    split = {k: [t for i, t in enumerate(texts) if (i in held) == (k == "validation")] for k in ("train", "validation")}
-    return datasets.Dataset.from_dict({"text": split["train"]}), datasets.Dataset.from_dict({"text": split["validation"]}), description
+    split = {
+        k: [t for i, t in enumerate(texts) if (i in held) == (k == "validation")] for k in ("train", "validation")
+    }
+    return (
+        datasets.Dataset.from_dict({"text": split["train"]}),
+        datasets.Dataset.from_dict({"text": split["validation"]}),
+        description,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -548,7 +620,9 @@ def _data_file_kind(files, flag: str, path) -> str:
         raise UsageError(f"{flag} {path}: no such file")
     kinds = {DATA_FILE_TYPES.get(Path(f).suffix.lower()) for f in files}
     if len(files) == 1 and None in kinds:
-        raise UsageError(f"{flag} {path}: unknown extension {Path(files[0]).suffix!r}; use one of {sorted(DATA_FILE_TYPES)}")
+        raise UsageError(
+            f"{flag} {path}: unknown extension {Path(files[0]).suffix!r}; use one of {sorted(DATA_FILE_TYPES)}"
+        )
     if None in kinds or len(kinds) != 1:
         raise UsageError(f"{flag} {path}: files must share one extension of {sorted(DATA_FILE_TYPES)}")
     if all(Path(f).stat().st_size == 0 for f in files):

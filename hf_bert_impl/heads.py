@@ -1,7 +1,8 @@
 """The one table of hf-bert-impl's heads (package only; the Hub files name the heads in `AUTO_MAP`).
 
-The package's exports and Auto registration (`hf_bert_impl.HEADS`), the model card's task info (`hub.HEAD_INFO`) and the
-converter's architectures (`convert.ARCHITECTURES`) are read off it; tests/test_heads.py checks it against `AUTO_MAP`.
+The package's exports and Auto registration (`hf_bert_impl.HEADS`), the model card's task info (`hub.HEAD_INFO`) and
+the converter's architectures (`convert.ARCHITECTURES`) are read off it; tests/test_heads.py checks it against
+`AUTO_MAP`.
 """
 
 from typing import NamedTuple

@@ -30,14 +30,15 @@ LoRA layer, a quantized linear) or hooked runs its own forward. The kernels, by 
 `kernels`: "auto" (default) measures, "reference" removes every kernel, and a name (or several, comma-separated) forces
 those kernels and runs the reference elsewhere. "auto": the first time a kernel point meets a (device, dtype, shape
 class) it times its candidates against the reference on that input (a warm-up and 3 timed calls each) and keeps the
-fastest of those that agree with the reference within the kernel's tolerance (`TOLERANCE`; a disagreeing kernel is never
-chosen). Choices are kept for the process and recorded in a JSON file under the Hugging Face cache (`cache_path()`:
-$HF_HOME/hf_bert_impl/kernels.json; `HF_BERT_IMPL_KERNEL_CACHE=off` keeps them in memory only), keyed by this package's
-version, torch's, the CPU capability and the thread count, and written under a file lock that is given up after
-`LOCK_TIMEOUT_S` (the choice is then made and kept in memory): the processes of one machine and later seeded runs make
-the same choices. `chosen_kernels()` returns them; the logger "hf_bert_impl.kernels" says each one; `kernelized(model)`
-lists the modules and their kernels. Kernels run on plain CPU tensors outside torch.compile, export and tracing; there
-the reference runs.
+fastest of those that agree with the reference within the kernel's tolerance (`TOLERANCE`; a disagreeing kernel is
+never chosen). Choices are kept for the process and recorded in a JSON file under the Hugging Face cache
+(`cache_path()`: $HF_HOME/hf_bert_impl/kernels.json; `HF_BERT_IMPL_KERNEL_CACHE=off` keeps them in memory only), keyed
+by this package's version, torch's, the CPU capability and the thread count, and written under a file lock that is
+given up after `LOCK_TIMEOUT_S` (the choices are then made and kept in memory): the processes of one machine and later
+seeded runs make the same choices. `chosen_kernels()` returns them; the logger "hf_bert_impl.kernels" says each one;
+`kernelized(model)` lists the modules and their kernels. The linear and dropout kernels run on plain CPU tensors
+outside torch.compile, export and tracing (there the reference runs); the unpadded layout runs on accelerators too (a
+compact grid, or flash-attention's varlen arguments).
 """
 
 import functools
@@ -59,6 +60,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import modeling_bert_impl as plain
 
+
 logger = logging.getLogger("hf_bert_impl.kernels")
 
 KERNELS = ("onednn_linear", "fused_activation", "skip_zero_rows", "bits_dropout", "unpadded", "per_sequence_attention",
@@ -67,6 +69,7 @@ KERNELS = ("onednn_linear", "fused_activation", "skip_zero_rows", "bits_dropout"
 # relative to the reference's largest magnitude; float32: GEMM reordering, bfloat16: its 8-bit mantissa).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 LOCK_TIMEOUT_S = 30.0  # another process holding the record's lock longer: choose without the record
+_UNRECORDED: set = set()  # record paths given up in this process (lock not had in time, unwritable): warned once
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,7 +122,7 @@ _CHOICES = _Choices()
 
 
 def cache_path() -> str | None:
-    """Where choices are recorded: $HF_BERT_IMPL_KERNEL_CACHE, else $HF_HOME/hf_bert_impl/kernels.json; None if "off"."""
+    """Where choices are recorded: $HF_BERT_IMPL_KERNEL_CACHE, else $HF_HOME/hf_bert_impl/kernels.json; None: "off"."""
     path = os.environ.get("HF_BERT_IMPL_KERNEL_CACHE", os.path.join(constants.HF_HOME, "hf_bert_impl", "kernels.json"))
     return None if path.lower() in ("", "off", "0", "false") else path
 
@@ -133,10 +136,12 @@ def _machine() -> str:  # what a recorded choice holds for: this package, the to
 
 class _Record:
     """The record of this machine's choices (a dict), read under the record's file lock and written back on exit; an
-    empty dict, kept in memory, where there is no record (off, unwritable, or the lock not had in LOCK_TIMEOUT_S)."""
+    empty dict, kept in memory, where there is no record (off, unwritable, or the lock not had in LOCK_TIMEOUT_S: then
+    for the rest of the process, so that a held lock costs one wait, not one per choice)."""
 
     def __enter__(self) -> dict:
         self.path, self.lock, self.all, self.record = cache_path(), None, {}, {}
+        self.path = None if self.path in _UNRECORDED else self.path
         if self.path is None:
             return self.record
         try:
@@ -145,6 +150,7 @@ class _Record:
             self.lock.acquire()
         except (OSError, filelock.Timeout) as e:
             logger.warning("kernel choices not recorded in %s (%s): they are made in memory", self.path, e)
+            _UNRECORDED.add(self.path)
             self.path, self.lock = None, None
             return self.record
         try:
@@ -203,7 +209,9 @@ def _median_seconds(fn, reps: int = 3, warm: bool = False) -> float:
 
 def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
     tol = TOLERANCE.get(ref.dtype, 1e-5) * max(float(ref.abs().max()), 1.0)
-    return out.shape == ref.shape and bool(torch.isfinite(out).all()) and float((out.float() - ref.float()).abs().max()) <= tol
+    if out.shape != ref.shape or not bool(torch.isfinite(out).all()):
+        return False
+    return float((out.float() - ref.float()).abs().max()) <= tol
 
 
 def _fastest(candidates: dict, reference: str = "reference") -> str:
@@ -224,7 +232,8 @@ def _try_agrees(fn, ref) -> bool:
 
 def _plain_cpu(*tensors) -> bool:  # kernels run on plain CPU tensors outside tracing (compile, export, jit, DTensor)
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors) and not (
-        torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export())
+        torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
+        or torch.onnx.is_in_onnx_export())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,7 +248,7 @@ _POST_OPS = {"GELUActivation": ("gelu", [], "none"), "GELUTanh": ("gelu", [], "t
              "NewGELUActivation": ("gelu", [], "tanh"), "ReLU": ("relu", [], "")}  # activation class -> oneDNN post-op
 
 
-_ONEDNN_RUNS: dict = {}  # dtype -> whether oneDNN's op runs here and reproduces F.linear (asked at first use, not import)
+_ONEDNN_RUNS: dict = {}  # dtype -> whether oneDNN's op runs here and reproduces F.linear (asked at first use)
 
 
 def _onednn_runs(dtype) -> bool:
@@ -281,8 +290,11 @@ class _LinearFunction(torch.autograd.Function):
         if grad_x is not None and grad_x.size(0) < x.numel() // x.size(-1):  # the skipped rows' dx is zero
             grad_x = x.new_zeros(x.shape).view(-1, x.size(-1)).index_copy_(0, rows, grad_x)
         by_mm = not ctx.onednn or grad.dtype == torch.bfloat16 or grad_2d.size(1) > 8 * x_2d.size(1)
-        grad_w = (torch.mm(grad_2d.t(), x_2d) if by_mm else _gemm(grad_2d.t(), x_2d.t(), None, True)) if need[1] else None
-        return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_2d.sum(0) if need[2] else None, None, None
+        grad_w = None
+        if need[1]:
+            grad_w = torch.mm(grad_2d.t(), x_2d) if by_mm else _gemm(grad_2d.t(), x_2d.t(), None, True)
+        grad_b = grad_2d.sum(0) if need[2] else None
+        return None if grad_x is None else grad_x.view(x.shape), grad_w, grad_b, None, None
 
 
 _CAST_BUFFERS = threading.local()  # per thread: (shape, dtype) -> the buffer no-grad autocast casts of weights reuse
@@ -297,7 +309,7 @@ def _linear_candidates(x, w, b, act, grad: bool) -> dict:
     if op is None or x.dtype not in TOLERANCE:
         return out
     y = torch.randn(8, w.size(0), dtype=x.dtype, generator=torch.Generator().manual_seed(0))  # a few rows suffice
-    if _try_agrees(lambda: op(y, w.t(), None, "none", [], ""), F.linear(y, w.t())):  # the backward's transposed GEMM too
+    if _try_agrees(lambda: op(y, w.t(), None, "none", [], ""), F.linear(y, w.t())):  # the backward's transposed GEMM
         out["onednn_linear"] = lambda: identity(op(x, w, b, "none", [], ""))
     if "onednn_linear" in out and _fusable(act, grad, x.dtype):
         out["fused_activation"] = lambda: op(x, w, b, *_POST_OPS[type(act).__name__])
@@ -311,7 +323,7 @@ def _fusable(act, grad: bool, dtype) -> bool:  # an unhooked GELU / ReLU after a
 
 def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: bool = False) -> torch.Tensor | None:
     """Point "linear" (and "decoder" where `skip_zero_rows`): act(x Wᵀ + b) by a kernel, or None for the reference.
-    Per call only what can change is looked at: dtype, device, plain tensors, grad mode, CPU autocast (bf16 GEMM), hooks."""
+    Per call only what can change is looked at: dtype, device, plain tensors, grad mode, CPU autocast, hooks."""
     choice = parse_setting(setting)
     w, b = layer.weight, layer.bias
     if choice == "reference" or x.numel() == 0 or not _plain_cpu(x, w):
@@ -320,7 +332,7 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
     dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype  # the dtype the GEMM runs in
     if dtype not in TOLERANCE or not (x.dtype == w.dtype or autocast and {x.dtype, w.dtype} <= set(TOLERANCE)):
         return None
-    cast_buffer = autocast and not grad and w.dtype != dtype  # autocast inference: the weight cast anew each call into a
+    cast_buffer = autocast and not grad and w.dtype != dtype  # autocast inference: the weight cast each call into a
     if cast_buffer:  # kept buffer (a fresh copy per call can cost more)
         buffers, shape = vars(_CAST_BUFFERS), (tuple(w.shape), dtype)
         wc = buffers[shape] if shape in buffers else buffers.setdefault(shape, w.new_empty(w.shape, dtype=dtype))
@@ -332,10 +344,11 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
                f"|{'train' if grad else 'infer'}|{type(act).__name__ if act is not None else 'none'}")
         name = _CHOICES.get(key, lambda: _fastest(_linear_candidates(xc.detach(), wc.detach(), bc, act, grad)))
     else:
-        name = "fused_activation" if "fused_activation" in choice else "onednn_linear" if "onednn_linear" in choice else "reference"
+        name = "onednn_linear" if "onednn_linear" in choice else "reference"
+        name = "fused_activation" if "fused_activation" in choice else name
     if name != "reference" and not _onednn_runs(dtype):  # forced where oneDNN cannot compute in this dtype
         name = "reference"
-    if name == "fused_activation" and not fusable:  # a hook added since, or grad mode: the activation runs after the GEMM
+    if name == "fused_activation" and not fusable:  # a hook added since, or grad mode: the activation after the GEMM
         name = "onednn_linear"
     skip = skip_zero_rows and grad and (choice == "auto" or "skip_zero_rows" in choice)
     if name == "fused_activation":
@@ -353,8 +366,9 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
 def bits_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """Inverted dropout in training: each element kept iff 32 random bits of torch's generator (as int32) are below
     (1 - p)·2^32 - 2^31 (p resolved to 2^-32), kept values scaled by 1/(1 - p). One draw of 64-bit words instead of
-    torch's CPU bernoulli_, which draws element by element (2 Mersenne-twister draws and a double each) on most CPUs."""
-    bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64, device=x.device).random_(-2**63, None).view(torch.int32)
+    torch's CPU bernoulli_, which draws element by element (2 Mersenne-twister draws and a double each), most CPUs."""
+    words = torch.empty((x.numel() + 1) // 2, dtype=torch.int64, device=x.device)
+    bits = words.random_(-2**63, None).view(torch.int32)
     return x * (bits[:x.numel()].view(x.shape) < min(round((1 - p) * 2**32), 2**32 - 1) - 2**31) * (1 / (1 - p))
 
 
@@ -399,9 +413,9 @@ class TokenMap:
     """Where the real tokens of a padded or packed batch sit while the layers run on them alone, as (1, T, H) (or the
     whole batch, (b, s, H), when nothing is padded: `unpadded` is False).
 
-    `indices` (T,): their places in the flattened (b*s) batch (None for a packed row: all are real). Attention sees them
+    `indices` (T,): their places in the flattened (b*s) batch (None for a packed row: all are real). Attention sees
     per sequence (`seq_lengths`, one unmasked call each) or as `grid` (n, m): n sequences of m slots, `grid_index` (T,)
-    each token's slot, `mask` the additive padding mask of the grid (None: every slot real). Flash attention takes them as
+    each token's slot, `mask` the additive padding mask of the grid (None: every slot real). Flash attention takes them
     they are: cu_seqlens (n + 1,) and max_seqlen in `attention_kwargs`."""
 
     batch_shape: tuple[int, int]
@@ -414,7 +428,8 @@ class TokenMap:
 
     @property
     def unpadded(self) -> bool:  # the layers run on fewer (or packed) tokens than the padded batch
-        return self.indices is not None or self.seq_lengths is not None or self.grid_index is not None or bool(self.attention_kwargs)
+        layout = (self.indices, self.seq_lengths, self.grid_index)
+        return any(t is not None for t in layout) or bool(self.attention_kwargs)
 
     def gather(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """An input (b, s[, H]) or (1, s[, H]) -> (1, T[, H])."""
@@ -437,7 +452,7 @@ def _additive_mask(valid: torch.Tensor, dtype) -> torch.Tensor:  # (n, m) bool -
 
 
 def _sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """(1, s) position ids of a packed row -> (n,) each sequence's first index (position id 0: DataCollatorWithFlattening)."""
+    """(1, s) position ids of a packed row -> (n,) each sequence's first index (position id 0, as the collator's)."""
     first = position_ids.view(-1).eq(0)
     first[0] = True
     return first.nonzero().squeeze(1)
@@ -447,7 +462,8 @@ def _layout_kernel(choice, lengths: list[int], heads: int, head_dim: int, dtype)
     """"per_sequence_attention" or "grid_attention" for sequences of `lengths`: forced, or the faster of the two on
     random q, k, v of these shapes (both give the padded reference's numbers, tested)."""
     if choice != "auto":
-        return "grid_attention" if "grid_attention" in choice and "per_sequence_attention" not in choice else "per_sequence_attention"
+        grid = "grid_attention" in choice and "per_sequence_attention" not in choice
+        return "grid_attention" if grid else "per_sequence_attention"
     n, m = len(lengths), max(lengths)
     key = f"layout|cpu|{str(dtype)[6:]}|n<={_bucket(n)}|m<={_bucket(m)}|{heads}x{head_dim}"
 
@@ -470,7 +486,8 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
     choice = parse_setting(setting)
     impl = config._attn_implementation
     flash = impl is not None and "flash" in impl and "paged" not in impl
-    if choice == "reference" or (choice != "auto" and not choice & {"unpadded", "per_sequence_attention", "grid_attention"}):
+    layouts = {"unpadded", "per_sequence_attention", "grid_attention"}
+    if choice == "reference" or (choice != "auto" and not choice & layouts):
         return None
     if torch.compiler.is_compiling() or not (impl in ("eager", "sdpa") or flash):
         return None
@@ -488,7 +505,7 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
             cu = cu.to(torch.long).view(-1)
             if cu[[0, -1]].tolist() != [0, s]:
                 raise ValueError(f"cu_seq_lens_q {cu.tolist()} must run from 0 to the packed length {s}; pass the "
-                                 "collator's kwargs unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+                                 "kwargs of DataCollatorWithFlattening(return_flash_attn_kwargs=True) unchanged")
             starts = cu[:-1]
         else:
             starts = _sequence_starts(position_ids)
@@ -503,7 +520,7 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
     total, m = sum(lengths), max(max(lengths), 1)
     cu_seqlens = F.pad(lengths_t.cumsum(0), (1, 0)).int()  # (n + 1,)
     if flash:
-        fkw = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=m, max_length_k=m)
+        fkw = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": m, "max_length_k": m}
         return TokenMap((b, s), (1, total), indices=indices, attention_kwargs=fkw)
     device, real = lengths_t.device, [n for n in lengths if n]
     heads = config.num_attention_heads
@@ -511,7 +528,7 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
             "per_sequence_attention":
         return TokenMap((b, s), (1, total), indices=indices, seq_lengths=tuple(real))
     n = len(lengths)
-    seq = torch.repeat_interleave(torch.arange(n, device=device), lengths_t, output_size=total)  # (T,) each token's sequence
+    seq = torch.repeat_interleave(torch.arange(n, device=device), lengths_t, output_size=total)  # (T,) its sequence
     slot = torch.arange(total, device=device) - cu_seqlens[seq]  # (T,) its place in that sequence
     valid = torch.arange(m, device=device)[None, :] < lengths_t[:, None]  # (n, m)
     mask = None if min(lengths) == m else _additive_mask(valid, dtype)  # (n, 1, 1, m)
@@ -519,7 +536,7 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
 
 
 def _eager_bits_dropout(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
-    """modeling_bert_impl.eager_attention_forward (softmax(QKᵀ/√d_k + M) V, the formula) with "bits_dropout" masks on the
+    """modeling_bert_impl.eager_attention_forward (softmax(QKᵀ/√d_k + M) V, the formula) with "bits_dropout" masks on
     probabilities in training; an additive mask (this module's layouts make no boolean one)."""
     scores = torch.matmul(query, key.transpose(-2, -1)) * scaling  # (b, h, s, s)
     if attention_mask is not None:
@@ -564,12 +581,6 @@ def attention_kernel(setting, module, qkv: torch.Tensor, tokens: TokenMap | None
 # kernelize: the kernels put on a model's module instances (their `forward`), and taken off again
 
 
-def _attention_function(impl: str | None):  # as modeling_bert_impl's attention: transformers' function for `impl`
-    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
-        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, plain.eager_attention_forward)
-    return plain.eager_attention_forward if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
-
-
 def _own(module: nn.Module) -> bool:  # a standard nn.Linear that runs its own forward (no tool replaced or hooked it)
     return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
 
@@ -580,16 +591,18 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor, *, setting, skip_zero_rows
 
 
 def _act_linear(setting, linear: nn.Module, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """act(linear(x)), the activation inside the GEMM where a kernel does it; a replaced linear runs its own forward."""
-    y = linear_kernel(setting, linear, x, act) if _own(linear) else None
-    return act(linear(x)) if y is None else y
+    """act(linear(x)), the activation inside the GEMM where a kernel does it; a replaced linear runs its forward."""
+    if not _own(linear):
+        return act(linear(x))
+    y = linear_kernel(setting, linear, x, act)  # None: the reference, F.linear (not a second choice without `act`)
+    return act(F.linear(x, linear.weight, linear.bias)) if y is None else y
 
 
-def _mlp_forward(self, hidden_states, *, setting):  # BertImplMLP: Wo(act(Wi x))
+def _mlp_forward(self, hidden_states, *, setting):  # BertImplLayer.mlp: Wo(act(Wi x))
     return self.Wo(_act_linear(setting, self.Wi, self.act, hidden_states))
 
 
-def _lm_head_forward(self, hidden_states, *, setting):  # BertImplLMHead: decoder(LN(act(dense x)))
+def _lm_head_forward(self, hidden_states, *, setting):  # the MLM heads' lm_head: decoder(LN(act(dense x)))
     return self.decoder(self.norm(_act_linear(setting, self.dense, self.act, hidden_states)))
 
 
@@ -606,7 +619,7 @@ def _attention_forward(self, hidden_states, attention_mask=None, *, setting, **k
     if tokens is None and not bits:
         return type(self).forward(self, hidden_states, attention_mask, **kwargs)
     qkv = self.Wqkv(hidden_states)  # (b, s, 3H) or (1, T, 3H)
-    attend = _attention_function(self.config._attn_implementation)
+    attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, plain.eager_attention_forward)
     fast = attention_kernel(setting, self, qkv, tokens, attend, attention_mask, kwargs)
     if fast is None:
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)  # 3 x (b, h, s, d)
@@ -633,12 +646,13 @@ def _encoder_forward(self, input_ids=None, attention_mask=None, token_type_ids=N
         return type(self).forward(self, *args, **kwargs)
     return_dict = kwargs.pop("return_dict", None)
     if position_ids is None:  # real tokens keep their places in their rows
-        position_ids = torch.arange(shape[1], device=(input_ids if input_ids is not None else inputs_embeds).device)[None]
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        position_ids = torch.arange(shape[1], device=device)[None]
     hidden_states = self.embeddings(*map(tokens.gather, (input_ids, token_type_ids, position_ids, inputs_embeds)))
     for layer in self.layers:
         hidden_states = layer(hidden_states, None, bert_impl_tokens=tokens, **kwargs)
     hidden_states = tokens.scatter(hidden_states)  # (b, s, H), zeros at padding
-    pooled = self.pooler(hidden_states) if self.pooler is not None else None  # (b, H)
+    pooled = self.pooler(hidden_states[:, 0]) if self.pooler is not None else None  # (b, H)
     out = BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
     return out.to_tuple() if return_dict is False else out
 
@@ -654,25 +668,33 @@ def _sparse_mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batc
     return logits, plain.masked_lm_loss(logits, labels.reshape(-1).index_select(0, keep), num_items_in_batch)
 
 
-_FORWARDS = {"BertImplModel": _encoder_forward, "BertImplSelfAttention": _attention_forward,
-             "BertImplMLP": _mlp_forward, "BertImplLMHead": _lm_head_forward}  # by class name: remote code's too
+_FORWARDS = {"BertImplModel": _encoder_forward, "BertImplSelfAttention": _attention_forward}  # by class name:
+_CHILD_FORWARDS = {"mlp": _mlp_forward, "lm_head": _lm_head_forward}  # by name in a bert_impl parent (remote too)
 
 
 def _put(module: nn.Module, fn, attribute: str = "forward", **options) -> None:
-    setattr(module, attribute, types.MethodType(functools.partial(fn, **options), module))
+    @functools.wraps(fn)  # a real function, not a partial: torch.compile(module) needs its source file
+    def kernel(self, *args, **kwargs):
+        return fn(self, *args, **kwargs, **options)
+
+    kernel.bert_impl_kernel = fn
+    setattr(module, attribute, types.MethodType(kernel, module))
 
 
 def _ours(module: nn.Module, attribute: str = "forward"):  # the kernel function put on `module`, or None
     bound = module.__dict__.get(attribute)
-    fn = getattr(getattr(bound, "__func__", None), "func", None)
-    return fn if fn in (_linear_forward, _dropout_forward, _sparse_mlm_logits_and_loss, *_FORWARDS.values()) else None
+    fn = getattr(getattr(bound, "__func__", None), "bert_impl_kernel", None)
+    ours = (_linear_forward, _dropout_forward, _sparse_mlm_logits_and_loss)
+    ours += (*_FORWARDS.values(), *_CHILD_FORWARDS.values())
+    return fn if fn in ours else None
 
 
 def kernelize(model: nn.Module, kernels="auto", sparse_prediction: bool = False) -> nn.Module:
     """Put the speed layer on `model` (any bert_impl model or head, loaded by the package or by trust_remote_code) and
     return it. `kernels`: "auto" (each kernel measured here, kept where it agrees with the plain model and is faster),
     "reference" (take every kernel off: the plain model), or kernel names to force (`KERNELS`, comma-separated).
-    `sparse_prediction`: the MLM heads' decoder runs on labelled positions only when labels are given (logits (n, V)).
+    `sparse_prediction`: the MLM heads' decoder runs on labelled positions only when labels are given (logits (n, V));
+    not with "reference", which is the plain model exactly.
     Parameters, buffers, config and saved files do not change; calling it again replaces the previous kernels."""
     setting = parse_setting(kernels)
     for module in model.modules():
@@ -690,6 +712,9 @@ def kernelize(model: nn.Module, kernels="auto", sparse_prediction: bool = False)
             _put(module, _dropout_forward, setting=setting)
         elif name in _FORWARDS:
             _put(module, _FORWARDS[name], setting=setting)
+        for child, fn in _CHILD_FORWARDS.items():  # the FFN of a layer, the MLM heads' prediction head
+            if name.startswith("BertImpl") and type(getattr(module, child, None)) is nn.Sequential:
+                _put(getattr(module, child), fn, setting=setting)
         if sparse_prediction and hasattr(type(module), "_mlm_logits_and_loss"):
             _put(module, _sparse_mlm_logits_and_loss, "_mlm_logits_and_loss")
     logger.info("kernelize(%s, kernels=%r, sparse_prediction=%s): %d modules", type(model).__name__, kernels,

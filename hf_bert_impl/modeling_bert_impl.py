@@ -2,7 +2,6 @@
 [1] Vaswani et al., "Attention Is All You Need" (2017), arXiv:1706.03762; [2] Devlin et al., "BERT: Pre-training of
 Deep Bidirectional Transformers for Language Understanding" (2019), arXiv:1810.04805; [3] transformers'
 bert/modeling_bert.py (the numerical reference) and modernbert/modular_modernbert.py.
-
 How it differs from transformers' BERT: 1. positions default to the sinusoidal encoding of [1] (not stored, any
 length), added to word embeddings scaled by √d_model as in [1] (`config.scale_word_embeddings`; "learned" = BERT's
 table, unscaled); 2. Q, K and V come from one projection `Wqkv` = [W^Q; W^K; W^V]; 3. the MLM loss divides by
@@ -10,25 +9,25 @@ Trainer's `num_items_in_batch`; 4. `output_attentions=True` returns real probabi
 eager); 5. bad inputs raise a ValueError naming the value; 6. padding positions of the outputs hold zeros, and a packed
 row (DataCollatorWithFlattening) attends within each sequence. Standard modules (nn.Linear, nn.Dropout, activations),
 attention through ALL_ATTENTION_FUNCTIONS, masks from masking_utils; `hf_bert_impl.kernelize` adds speed from outside.
-Shape legend: b batch, s sequence, h heads, d head dim (d_k), H hidden (= h * d), V vocabulary, c choices.
-"""
+Shape legend: b batch, s sequence, h heads, d head dim (d_k), H hidden (= h * d), V vocabulary, c choices."""
 
+import copy
+from collections import OrderedDict
 from typing import Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, modeling_outputs
 from transformers.activations import ACT2FN
 from transformers.masking_utils import packed_sequence_mask_function
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import (BaseModelOutputWithPooling, MaskedLMOutput, MultipleChoiceModelOutput,
-    NextSentencePredictorOutput, QuestionAnsweringModelOutput, SequenceClassifierOutput, TokenClassifierOutput)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput as BertImplForPreTrainingOutput
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_bert_impl import BertImplConfig
+
 
 IGNORE_INDEX = -100
 
@@ -40,8 +39,9 @@ except ImportError:  # 4.57: _init_weights runs only on modules whose weights we
 try:  # 5.x (recent): output capture by hooks
     from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 except ImportError:  # 4.57 / 5.0: the same contract under its older name
-    from transformers.utils.generic import OutputRecorder, check_model_inputs as capture_outputs
-try:  # 5.x: the mask in the format of `config._attn_implementation` (None: nothing to mask)
+    from transformers.utils.generic import OutputRecorder
+    from transformers.utils.generic import check_model_inputs as capture_outputs
+try:  # 5.x: the mask in `config._attn_implementation`'s format (None: none); positional (5.0 says input_embeds)
     from transformers.masking_utils import create_bidirectional_mask
 except ImportError:  # 4.57: flash takes the 2-D mask, eager and sdpa an additive (b, 1, s, s) one
     def create_bidirectional_mask(config, inputs_embeds, attention_mask, and_mask_function=None):
@@ -52,12 +52,6 @@ except ImportError:  # 4.57: flash takes the 2-D mask, eager and sdpa an additiv
         if and_mask_function is not None:
             keep = keep & and_mask_function(torch.arange(b)[:, None, None, None], 0, i[:, None], i)
         return ((~keep).to(dtype) * torch.finfo(dtype).min).to(inputs_embeds.device)
-
-
-def _attention_function(impl: str):  # 5.x: AttentionInterface.get_interface (eager: ours); 4.57: the registry itself
-    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
-        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
-    return eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -78,9 +72,8 @@ def _sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:  # rows at positions
 
 def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
-    """Scaled dot-product attention of [1], written out: Attention(Q, K, V) = softmax(QKᵀ/√d_k + M) V.
-    query, key, value: (b, h, s, d); M: boolean (True: attend) or additive, broadcastable to (b, h, s, s); `scaling` is
-    1/√d_k. Returns the output (b, s, h, d) (every transformers attention function's layout) and the probabilities."""
+    """Scaled dot-product attention of [1]: softmax(QKᵀ/√d_k + M) V. q, k, v: (b, h, s, d); M: boolean (True: attend)
+    or additive, broadcastable to (b, h, s, s). Returns the output (b, s, h, d) and the probabilities (b, h, s, s)."""
     scores = torch.matmul(query, key.transpose(-2, -1)) * scaling  # (b, h, s, s)
     if attention_mask is not None:  # boolean: True where a key may be attended; else additive
         boolean, low = attention_mask.dtype == torch.bool, torch.finfo(scores.dtype).min
@@ -91,9 +84,8 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
 
 
 def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-    """The masked-LM loss of [2]: L = -Σ_i log P(x_i | x_\\i) over the positions whose label is not -100, divided by
-    their number or by Trainer's `num_items_in_batch` (accumulation = one large batch); 0, not NaN, if none is masked.
-    logits (..., V), labels (...); half-precision per-token losses are summed in float32."""
+    """The masked-LM loss of [2]: L = -Σ_i log P(x_i | x_\\i) over labels that are not -100, divided by their number or
+    by Trainer's `num_items_in_batch` (accumulation = one large batch); 0 if none; half-precision summed in float32."""
     logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)  # (N, V), (N,)
     nll_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none").float().sum()
     count = labels.ne(IGNORE_INDEX).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -101,8 +93,7 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
 
 
 def _check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> None:
-    """A ValueError naming the value for inputs torch would reject with an opaque error, or take silently (a mask of
-    2s). Values are read on the CPU outside compilation only: elsewhere each read would be a host sync."""
+    """A ValueError naming the value for inputs torch would reject opaquely or take silently (values: CPU, eager)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
@@ -113,19 +104,16 @@ def _check_inputs(config, input_ids, attention_mask, token_type_ids, position_id
     P = config.max_position_embeddings if config.position_embedding_type == "learned" else None
     if P is not None and position_ids is None:  # learned positions: the table's rows must cover 0 .. s-1
         position_ids = torch.arange(shape[1])[None]
-    ids = "{} contains {}, outside [0, {}={}); check that the tokenizer matches this model"
-    checks = {"input_ids": (input_ids, config.vocab_size,
-                            ids.format("input_ids", "{}", "vocab_size", config.vocab_size)),
-              "token_type_ids": (token_type_ids, config.type_vocab_size,
-                                 ids.format("token_type_ids", "{}", "type_vocab_size", config.type_vocab_size)),
+    V, T, ids = config.vocab_size, config.type_vocab_size, "contains {}, outside [0, %s); check the model's tokenizer"
+    checks = {"input_ids": (input_ids, V, "input_ids " + ids % f"vocab_size={V}"),
+              "token_type_ids": (token_type_ids, T, "token_type_ids " + ids % f"type_vocab_size={T}"),
               "position_ids": (position_ids, P, f"sequence needs position {{}} but learned positions stop at "
                                f"max_position_embeddings - 1 = {P and P - 1}; truncate (tokenizer(truncation=True))"),
               "attention_mask": (attention_mask, 2, "attention_mask must hold 1 for tokens and 0 for padding, got {}")}
     for name, (t, high, message) in checks.items():
         if t is not None and tuple(t.shape) != shape and (name != "position_ids" or tuple(t.shape) != (1, shape[1])):
             raise ValueError(f"{name} has shape {tuple(t.shape)} but the input has shape {shape}")
-        integer = t is None or not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-        if name != "attention_mask" and not integer:
+        if t is not None and name != "attention_mask" and (t.is_floating_point() or t.dtype == torch.bool):
             raise ValueError(f"{name} must hold integer ids, got dtype {t.dtype}")
         if t is None or t.device.type != "cpu" or torch.compiler.is_compiling():
             continue
@@ -137,13 +125,13 @@ def _check_inputs(config, input_ids, attention_mask, token_type_ids, position_id
 
 
 class BertImplEmbeddings(nn.Module):
-    """word (× √d_model when `config.word_embedding_scale`) + position + token type embeddings, LayerNorm, dropout."""
+    """word (× √d_model: `config.word_embedding_scale`) + position + token type embeddings, LayerNorm, dropout.
+    ids (b, s), position_ids (b|1, s), inputs_embeds (b, s, H) -> (b, s, H)."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
-        if (config.pad_token_id or 0) >= config.vocab_size:
-            raise ValueError(f"BertImplConfig.pad_token_id must be an id in [0, vocab_size={config.vocab_size}) or "
-                             f"None, got {config.pad_token_id!r}")
+        if (pad := config.pad_token_id or 0) >= config.vocab_size:  # None: no padding id
+            raise ValueError(f"BertImplConfig.pad_token_id must be in [0, vocab_size={config.vocab_size}), got {pad}")
         self.config = config
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
@@ -156,7 +144,6 @@ class BertImplEmbeddings(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None) -> torch.Tensor:
-        """ids: (b, s), position_ids (b|1, s), inputs_embeds (b, s, H) -> (b, s, H)."""
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)  # (b, s, H)
         if (scale := self.config.word_embedding_scale) != 1.0:  # √d_model of [1] §3.4
@@ -195,33 +182,23 @@ class BertImplSelfAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs: Unpack[TransformersKwargs]):
         """hidden_states (b, s, H) -> (b, s, H), and the probabilities (b, h, s, s) under eager."""
         q, k, v = self.Wqkv(hidden_states).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
-        attend = _attention_function("eager" if kwargs.get("output_attentions") else self.config._attn_implementation)
+        impl = "eager" if kwargs.get("output_attentions") else self.config._attn_implementation
+        attend = ALL_ATTENTION_FUNCTIONS.get(impl, eager_attention_forward)  # transformers' function; eager: ours
         out, probs = attend(self, q, k, v, attention_mask, scaling=self.scaling,  # q, k, v: (b, h, s, d)
                             dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # out: (b, s, h, d)
         return self.Wo(out.reshape(hidden_states.shape)), probs  # (b, s, H)
 
 
-class BertImplMLP(nn.Module):
-    """Position-wise feed-forward block: Wo(act(Wi x))."""
-
-    def __init__(self, config: BertImplConfig):
-        super().__init__()
-        self.Wi = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = ACT2FN[config.hidden_act]
-        self.Wo = nn.Linear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.Wo(self.act(self.Wi(hidden_states)))
-
-
 class BertImplLayer(GradientCheckpointingLayer):
-    """Post-LN encoder layer of [2]: x = LN(x + Drop(MHA(x))); x = LN(x + Drop(MLP(x)))."""
+    """Post-LN encoder layer of [2]: x = LN(x + Drop(MHA(x))); x = LN(x + Drop(MLP(x))), MLP(x) = Wo(act(Wi x))."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
         self.attn = BertImplSelfAttention(config)
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = BertImplMLP(config)
+        self.mlp = nn.Sequential(OrderedDict(Wi=nn.Linear(config.hidden_size, config.intermediate_size),
+                                             act=ACT2FN[config.hidden_act],
+                                             Wo=nn.Linear(config.intermediate_size, config.hidden_size)))  # FFN
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -229,31 +206,6 @@ class BertImplLayer(GradientCheckpointingLayer):
         attn_out, _ = self.attn(hidden_states, attention_mask, **kwargs)
         hidden_states = self.attn_norm(hidden_states + self.dropout(attn_out))
         return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
-
-
-class BertImplPooler(nn.Module):
-    """tanh(W h_[CLS] + b): the sentence vector of [2], from the first token."""
-
-    def __init__(self, config: BertImplConfig):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(hidden_states[:, 0]))  # (b, H)
-
-
-class BertImplLMHead(nn.Module):
-    """MLM prediction head of [2]: LN(act(dense(x))) then a decoder tied to the word embeddings."""
-
-    def __init__(self, config: BertImplConfig):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = ACT2FN[config.hidden_act]
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)  # tied to word_embeddings
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.norm(self.act(self.dense(hidden_states))))  # (..., V)
 
 
 class BertImplPreTrainedModel(PreTrainedModel):
@@ -273,14 +225,13 @@ class BertImplPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """normal(0, initializer_range) weights, zero biases, LayerNorm (1, 0), the sinusoidal table; loaded tensors
-        skipped. Word embeddings scaled by √d_model start at normal(0, 1/√d_model), unit scale in use ([1]'s code)."""
+        """transformers' init, the sinusoidal table, and word embeddings scaled by √d_model at normal(0, 1/√d_model)
+        (unit scale in use, as [1]'s code); loaded tensors are skipped."""
         super()._init_weights(module)
         if not isinstance(module, BertImplEmbeddings):
             return
-        if hasattr(module, "position_encoding"):
-            (init or torch.Tensor).copy_(module.position_encoding, sinusoidal_position_encoding(
-                *module.position_encoding.shape))
+        if (pe := getattr(module, "position_encoding", None)) is not None:
+            (init or torch.Tensor).copy_(pe, sinusoidal_position_encoding(*pe.shape))
         weight, pad = module.word_embeddings.weight, module.word_embeddings.padding_idx
         if self.config.word_embedding_scale != 1.0 and not getattr(weight, "_is_hf_initialized", False):
             (init or nn.init).normal_(weight, mean=0.0, std=self.config.hidden_size**-0.5)
@@ -295,7 +246,9 @@ class BertImplModel(BertImplPreTrainedModel):
         super().__init__(config)
         self.embeddings = BertImplEmbeddings(config)
         self.layers = nn.ModuleList([BertImplLayer(config) for _ in range(config.num_hidden_layers)])
-        self.pooler = BertImplPooler(config) if add_pooling_layer else None
+        H, self.pooler = config.hidden_size, None  # the pooler: tanh(W h_[CLS] + b), [2]'s sentence vector
+        if add_pooling_layer:
+            self.pooler = nn.Sequential(OrderedDict(dense=nn.Linear(H, H), activation=nn.Tanh()))
         self.post_init()
 
     def get_input_embeddings(self):
@@ -306,10 +259,9 @@ class BertImplModel(BertImplPreTrainedModel):
 
     @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPooling:
-        """input_ids, attention_mask, token_type_ids, position_ids: (b, s); inputs_embeds: (b, s, H). Returns
-        last_hidden_state (b, s, H), zeros at padding, and pooler_output (b, H); hidden states / attentions are
-        recorded by transformers' hooks."""
+                **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.BaseModelOutputWithPooling:
+        """inputs (b, s), inputs_embeds (b, s, H) -> last_hidden_state (b, s, H) (zeros at padding), pooler_output
+        (b, H); hidden states and attentions are recorded by transformers' hooks."""
         _check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (b, s, H)
         packed = None  # a packed row (b = 1, position ids restarting at 0, no mask): attention within each sequence
@@ -319,19 +271,21 @@ class BertImplModel(BertImplPreTrainedModel):
                 kwargs.setdefault("position_ids", position_ids)  # flash's varlen path finds the sequences in them
             elif torch.compiler.is_compiling() or int(sequence[0, -1]) > 1:
                 packed = packed_sequence_mask_function(sequence)
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
-                                         attention_mask=attention_mask, and_mask_function=packed)
+        config = self.config  # the layers run eager when attentions are asked for: the mask is eager's then
+        if kwargs.get("output_attentions") and config._attn_implementation != "eager":
+            config = copy.copy(config)
+            config._attn_implementation = "eager"
+        mask = create_bidirectional_mask(config, hidden_states, attention_mask, and_mask_function=packed)
         for layer in self.layers:
             hidden_states = layer(hidden_states, mask, **kwargs)
         if attention_mask is not None:
             hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)  # zeros at padding
-        pooled = self.pooler(hidden_states) if self.pooler is not None else None  # (b, H)
-        return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
+        pooled = self.pooler(hidden_states[:, 0]) if self.pooler is not None else None  # (b, H)
+        return modeling_outputs.BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
 
 class _BertImplHead(BertImplPreTrainedModel):  # output flags travel in **kwargs; return_dict=False gives tuples
-    """What every head shares: the encoder `bert` (pooled where `_pooled`), then its own modules (`_build`; by default
-    dropout, classifier_dropout or hidden's, and a linear classifier of `_outputs` or num_labels scores)."""
+    """The encoder `bert` (pooled where `_pooled`), then the head's modules (`_build`; default dropout, classifier)."""
 
     _pooled, _outputs = True, None
 
@@ -348,8 +302,8 @@ class _BertImplHead(BertImplPreTrainedModel):  # output flags travel in **kwargs
         self.classifier = nn.Linear(config.hidden_size, self._outputs or config.num_labels)
 
     def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs):
-        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        return self.bert(*inputs, return_dict=True, **kwargs)
+        return self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs,
+                         return_dict=True)
 
 
 class _BertImplMLMHeadModel(_BertImplHead):
@@ -359,7 +313,10 @@ class _BertImplMLMHeadModel(_BertImplHead):
     accepts_loss_kwargs = True  # takes num_items_in_batch (see `masked_lm_loss`)
 
     def _build(self, config: BertImplConfig) -> None:
-        self.lm_head = BertImplLMHead(config)
+        self.lm_head = nn.Sequential(OrderedDict(  # the MLM head of [2]: decoder(LN(act(dense x))), decoder tied
+            dense=nn.Linear(config.hidden_size, config.hidden_size), act=ACT2FN[config.hidden_act],
+            norm=nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps),
+            decoder=nn.Linear(config.hidden_size, config.vocab_size)))
         self.nsp_head = nn.Linear(config.hidden_size, 2) if self._pooled else None
 
     def get_output_embeddings(self):
@@ -384,16 +341,16 @@ class BertImplForMaskedLM(_BertImplMLMHeadModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, num_items_in_batch=None, **kwargs: Unpack[TransformersKwargs]) -> MaskedLMOutput:
+                labels=None, num_items_in_batch=None,
+                **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.MaskedLMOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits, loss = self._mlm_logits_and_loss(out.last_hidden_state, labels, num_items_in_batch)  # (b, s, V)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return modeling_outputs.MaskedLMOutput(loss, logits, out.hidden_states, out.attentions)
 
 
 class BertImplForPreTraining(_BertImplMLMHeadModel):
-    """Encoder + MLM head + next-sentence head: L = L_MLM + L_NSP. labels: (b, s), -100 = not masked;
-    next_sentence_label: (b,), 0 = B follows A. Under accumulation each micro-batch's NSP mean is weighted by its share
-    of the masked tokens."""
+    """Encoder + MLM head + next-sentence head: L = L_MLM + L_NSP (labels (b, s); next_sentence_label (b,), 0 = B
+    follows A); under accumulation each micro-batch's NSP mean is weighted by its share of the masked tokens."""
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -405,8 +362,8 @@ class BertImplForPreTraining(_BertImplMLMHeadModel):
         logits, loss = self._mlm_logits_and_loss(out.last_hidden_state, labels if both else None, num_items_in_batch)
         if both:
             nsp = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
-            weight = 1.0 if num_items_in_batch is None else labels.ne(IGNORE_INDEX).sum() / num_items_in_batch
-            loss = loss + nsp * weight
+            scale = 1 if num_items_in_batch is None else labels.ne(IGNORE_INDEX).sum() / num_items_in_batch
+            loss = loss + nsp * scale
         return BertImplForPreTrainingOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=nsp_logits,
                                             hidden_states=out.hidden_states, attentions=out.attentions)
 
@@ -419,20 +376,19 @@ class BertImplForNextSentencePrediction(_BertImplHead):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs: Unpack[TransformersKwargs]) -> NextSentencePredictorOutput:
+                labels=None, **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.NextSentencePredictorOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.nsp_head(out.pooler_output)  # (b, 2)
         loss = F.cross_entropy(logits, labels.view(-1)) if labels is not None else None
-        return NextSentencePredictorOutput(loss, logits, out.hidden_states, out.attentions)
+        return modeling_outputs.NextSentencePredictorOutput(loss, logits, out.hidden_states, out.attentions)
 
 
 class BertImplForSequenceClassification(_BertImplHead):
-    """Encoder + pooler + linear classifier; the loss follows `config.problem_type` (else "regression" for 1 label,
-    "multi_label_classification" for float labels, "single_label_classification"), as transformers' BERT."""
+    """Encoder + pooler + linear classifier; the loss follows `config.problem_type` as in transformers' BERT."""
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs: Unpack[TransformersKwargs]) -> SequenceClassifierOutput:
+                labels=None, **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.SequenceClassifierOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits, loss = self.classifier(self.dropout(out.pooler_output)), None  # (b, num_labels)
         if labels is not None:  # regression and multi-label targets in the logits' dtype (int scores, bf16)
@@ -440,7 +396,7 @@ class BertImplForSequenceClassification(_BertImplHead):
             problem = self.config.problem_type or ("regression" if self.num_labels == 1 else multi)
             labels = labels if problem == "single_label_classification" else labels.to(logits.dtype)
             loss = self.loss_function(labels, logits, self.config)
-        return SequenceClassifierOutput(loss, logits, out.hidden_states, out.attentions)
+        return modeling_outputs.SequenceClassifierOutput(loss, logits, out.hidden_states, out.attentions)
 
 
 class BertImplForTokenClassification(_BertImplHead):
@@ -450,11 +406,11 @@ class BertImplForTokenClassification(_BertImplHead):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs: Unpack[TransformersKwargs]) -> TokenClassifierOutput:
+                labels=None, **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.TokenClassifierOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (b, s, num_labels)
         loss = self.loss_function(logits, labels, self.config) if labels is not None else None
-        return TokenClassifierOutput(loss, logits, out.hidden_states, out.attentions)
+        return modeling_outputs.TokenClassifierOutput(loss, logits, out.hidden_states, out.attentions)
 
 
 class BertImplForQuestionAnswering(_BertImplHead):
@@ -468,13 +424,14 @@ class BertImplForQuestionAnswering(_BertImplHead):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 start_positions=None, end_positions=None,
-                **kwargs: Unpack[TransformersKwargs]) -> QuestionAnsweringModelOutput:
+                **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.QuestionAnsweringModelOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.qa_outputs(out.last_hidden_state)  # (b, s, 2)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))  # 2 x (b, s)
         both = start_positions is not None and end_positions is not None
         loss = self.loss_function(start_logits, end_logits, start_positions, end_positions) if both else None
-        return QuestionAnsweringModelOutput(loss, start_logits, end_logits, out.hidden_states, out.attentions)
+        out = (loss, start_logits, end_logits, out.hidden_states, out.attentions)
+        return modeling_outputs.QuestionAnsweringModelOutput(*out)
 
 
 class BertImplForMultipleChoice(_BertImplHead):
@@ -484,10 +441,10 @@ class BertImplForMultipleChoice(_BertImplHead):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs: Unpack[TransformersKwargs]) -> MultipleChoiceModelOutput:
+                labels=None, **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.MultipleChoiceModelOutput:
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         out = self._encode(*(t.flatten(0, 1) if t is not None else None for t in inputs), kwargs)  # (b*c, s[, H])
         choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, choices)  # (b, c)
         loss = F.cross_entropy(logits, labels.view(-1)) if labels is not None else None
-        return MultipleChoiceModelOutput(loss, logits, out.hidden_states, out.attentions)
+        return modeling_outputs.MultipleChoiceModelOutput(loss, logits, out.hidden_states, out.attentions)

@@ -9,14 +9,16 @@ Copy-paste commands:
     # files by CPU kind (lscpu: cpu-amd-zen4, cpu-intel-xeon-amx, ...) and dtype.
     python scripts/benchmark.py --size base --threads 2 --json benchmarks/cpu-amd-zen4_base_fp32.json
     python scripts/benchmark.py --size base --threads 2 --dtype bf16 --json benchmarks/cpu-amd-zen4_base_bf16.json
-    python scripts/benchmark.py --size base --threads 2 --dtype autocast --json benchmarks/cpu-amd-zen4_base_autocast.json
+    python scripts/benchmark.py --size base --threads 2 --dtype autocast \
+        --json benchmarks/cpu-amd-zen4_base_autocast.json
     python scripts/benchmark.py --size base --threads 2 --dtype autocast --autocast_scope run --workloads fixed,mixed \
         --json benchmarks/cpu-amd-zen4_base_autocast_scope_run.json   # one autocast context around a serving loop
     python scripts/benchmark.py --size base --threads 2 --against onnxruntime \
         --json benchmarks/cpu-amd-zen4_base_fp32_onnxruntime.json
 
-    # ours' kernels (config.kernels; default auto: each kernel point measured once per shape class on this machine,
-    # the choices and the one-time cost recorded in the JSON and the log): the plain model alone, or kernels forced
+    # ours' kernels (hf_bert_impl.kernelize(ours, kernels); default auto: each kernel point measured once per shape
+    # class on this machine, the choices and the one-time cost recorded in the JSON and the log): the plain model
+    # alone (not kernelized, as a trust_remote_code user runs it), or kernels forced
     python scripts/benchmark.py --size base --kernels reference
     python scripts/benchmark.py --size base --kernels onednn_linear,skip_zero_rows
     python scripts/benchmark.py --size base --workloads mlm,mlm_dense --kernels bits_dropout,unpadded
@@ -27,8 +29,9 @@ Copy-paste commands:
 
 What it does, per attention backend (`--backends`, transformers and ours both on that backend):
   1. builds transformers' `BertForMaskedLM` (random BERT init, seeded) and converts it with
-     `hf_bert_impl.convert.from_hf_bert`, so both hold the same weights; ours runs `--kernels` (its
-     config.kernels, see hf_bert_impl/kernels_bert_impl.py);
+     `hf_bert_impl.convert.from_hf_bert`, so both hold the same weights; ours runs `--kernels`, put on
+     by `hf_bert_impl.kernelize(ours, kernels, sparse_prediction=...)` (see hf_bert_impl/kernels_bert_impl.py;
+     `--kernels reference`: the plain model, nothing put on);
   2. checks the outputs agree (fp32: max |diff| <= 1e-5 on real tokens, MLM loss and gradients;
      bf16 weights or bf16 autocast over float32 weights (`--dtype autocast`, what Trainer's --bf16
      runs): ours within 3x transformers' own error against float32) and stops if not;
@@ -36,17 +39,18 @@ What it does, per attention backend (`--backends`, transformers and ours both on
      excluded) and reports the median of the per-pair ratios, so machine drift cancels. With
      `--kernels auto` ours is called once untimed first (its first call per shape class measures the
      kernels); each workload's row records the kernels ours used (`ours_kernels`: the choices made by
-     then, or the forced set) and the seconds spent measuring them:
+     then, or the forced set; `kernelized`: how many modules run each kernel function) and the seconds
+     spent measuring them:
        fixed   inference (encoder, no grad), every sequence `--seq_len` tokens;
        mixed   inference on lengths uniform in [seq_len/8, seq_len] (its quantiles, see
                `mixed_lengths`), padded to the longest as a tokenizer pads (tokenizer.pad);
                tokens/s are reported padded and real;
        mlm     one training step: forward, backward and the optimizer Trainer builds (`--optim`,
                default Trainer's: fused AdamW), on grouped text (blocks of seq_len tokens) with
-               15% masking (DataCollatorForLanguageModeling); ours uses
+               15% masking (DataCollatorForLanguageModeling); ours is kernelized with
                `sparse_prediction=True` (the MLM decoder runs on the masked positions only);
-       mlm_dense  the same step with ours in its default config (`sparse_prediction=False`, full
-               (b, s, V) logits as transformers);
+       mlm_dense  the same step with ours kernelized with `sparse_prediction=False` (full (b, s, V)
+               logits as transformers; with --kernels reference mlm and mlm_dense both run the plain model);
      `--against onnxruntime` instead exports transformers' BertModel and ours (scripts/export_onnx.py)
      to ONNX, runs both in onnxruntime (all graph optimisations, the torch thread count), checks
      them against the torch models (<= 1e-4 on real tokens) and times ORT(transformers), ours (torch)
@@ -68,25 +72,35 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser, Trainer, TrainingArguments
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    DataCollatorForLanguageModeling,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+)
 
-from hf_bert_impl import BertImplForMaskedLM
-from hf_bert_impl import kernels_bert_impl
+import hf_bert_impl
+from hf_bert_impl import BertImplForMaskedLM, kernels_bert_impl
 from hf_bert_impl.cli import machine_record, write_result_json
-from hf_bert_impl.configuration_bert_impl import KERNEL_NAMES, SIZE_PRESETS, kernel_names
+from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
+from hf_bert_impl.kernels_bert_impl import KERNELS, kernel_names
+
 
 # --dtype: the weights' dtype; "autocast" keeps float32 weights and runs every workload's forward under
 # torch.autocast(bfloat16) (the backward follows it), as Trainer's --bf16 trains.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "autocast": torch.float32}
 WORKLOADS = ("fixed", "mixed", "mlm", "mlm_dense")
 # Targets (bert-base, seq 128, batch 8, fp32, CPU): ours / transformers sdpa.
-# mlm: ours with sparse_prediction=True (as scripts/pretrain_mlm.py trains); mlm_dense: the default
-# config (sparse_prediction=False, full (b, s, V) logits, as transformers).
+# mlm: ours kernelized with sparse_prediction=True (as scripts/pretrain_mlm.py trains); mlm_dense: with
+# sparse_prediction=False (full (b, s, V) logits, as transformers).
 TARGETS = {"fixed": ("tokens/s", 1.05), "mixed": ("real tokens/s", 1.6), "mlm": ("tokens/s", 1.3),
            "mlm_dense": ("tokens/s", 1.0), "mlm_memory": ("peak memory", 1.0)}
 # bf16 targets (bf16 weights and autocast): fixed >= 1.3x with MFU >= 60% of the bf16 matmul peak,
@@ -105,40 +119,48 @@ class BenchmarkArguments:
     size: str = field(default="tiny", metadata={"help": "tiny (quick check) or base (bert-base, the published table)"})
     seq_len: int = field(default=128, metadata={"help": "sequence length L (mixed: lengths uniform in [L/8, L])"})
     batch_size: int = field(default=8)
-    dtype: str = field(default="fp32", metadata={"help": "fp32, bf16 (bf16 weights) or autocast (float32 weights, bf16 autocast)"})
+    dtype: str = field(default="fp32",
+                       metadata={"help": "fp32, bf16 (bf16 weights) or autocast (float32 weights, bf16 autocast)"})
     autocast_scope: str = field(
         default="forward",
-        metadata={"help": "--dtype autocast: forward (a fresh autocast context per forward, as Trainer) or run (one context "
-                          "around all of an inference workload's calls, as a serving loop; autocast then casts each weight once)"},
+        metadata={"help": "--dtype autocast: forward (a fresh autocast context per forward, as Trainer) or run (one "
+                          "context around all of an inference workload's calls, as a serving loop; autocast then "
+                          "casts each weight once)"},
     )
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu or cuda"})
-    backends: str = field(default="sdpa", metadata={"help": "comma-separated attention backends, e.g. sdpa,flash_attention_2"})
+    backends: str = field(default="sdpa",
+                          metadata={"help": "comma-separated attention backends, e.g. sdpa,flash_attention_2"})
     workloads: str = field(
         default="fixed,mixed,mlm,mlm_dense",
-        metadata={"help": "comma-separated subset of fixed,mixed,mlm (ours with sparse_prediction), mlm_dense (default config)"},
+        metadata={"help": "comma-separated subset of fixed,mixed,mlm (ours with sparse_prediction), mlm_dense "
+                          "(full logits)"},
     )
     against: str = field(
         default="transformers",
-        metadata={"help": "transformers (in torch) or onnxruntime (transformers' BERT and ours exported to ONNX; fixed, mixed)"},
+        metadata={"help": "transformers (in torch) or onnxruntime (transformers' BERT and ours exported to ONNX; "
+                          "fixed, mixed)"},
     )
-    pairs: int = field(default=0, metadata={"help": "timed (transformers, ours) pairs per workload; 0 = 20 for tiny, 7 for base"})
+    pairs: int = field(default=0,
+                       metadata={"help": "timed (transformers, ours) pairs per workload; 0 = 20 for tiny, 7 for base"})
     warmup: int = field(default=2, metadata={"help": "untimed pairs before timing"})
     mlm_probability: float = field(default=0.15)
     seed: int = field(default=0)
     threads: int = field(default=0, metadata={"help": "torch.set_num_threads; 0 leaves torch's default"})
     memory: bool = field(default=True, metadata={"help": "measure peak memory (one extra profiled run per model)"})
-    peak_n: int = field(default=0, metadata={"help": "n of the n x n x n matmul whose speed is the MFU peak; 0 = 8192 on a "
-                                                    "GPU, 1536 on a CPU (smaller: a quick run on a CPU without bf16 units)"})
+    peak_n: int = field(default=0, metadata={"help": "n of the n x n x n matmul whose speed is the MFU peak; 0 = 8192 "
+                                                    "on a GPU, 1536 on a CPU (smaller: a quick run on a CPU without "
+                                                    "bf16 units)"})
     kernels: str = field(
         default="auto",
-        metadata={"help": "ours' config.kernels: auto (each kernel measured against the plain model once per shape class "
-                          "on this machine), reference (the plain model alone) or kernel names to force, comma-separated: "
-                          + ", ".join(KERNEL_NAMES)},
+        metadata={"help": "hf_bert_impl.kernelize(ours, kernels): auto (each kernel measured against the plain model "
+                          "once per shape class on this machine), reference (the plain model alone, not kernelized) "
+                          "or kernel names to force, comma-separated: " + ", ".join(KERNELS)},
     )
     optim: str = field(
         default="adamw_torch_fused",
-        metadata={"help": "the MLM steps' optimizer, a TrainingArguments --optim name, built as Trainer builds it (default: "
-                          "Trainer's default, adamw_torch_fused; adamw_torch = the per-parameter AdamW runs before 0.3.6 timed)"},
+        metadata={"help": "the MLM steps' optimizer, a TrainingArguments --optim name, built as Trainer builds it "
+                          "(default: Trainer's default, adamw_torch_fused; adamw_torch = the per-parameter AdamW runs "
+                          "before 0.3.6 timed)"},
     )
     json: str | None = field(default=None, metadata={"help": "also write every number to this JSON file"})
 
@@ -173,13 +195,14 @@ def check_args(args: BenchmarkArguments) -> None:
     if args.seq_len < 8 or args.seq_len > 512:
         fail(f"--seq_len must be in [8, 512] (BERT's learned positions stop at 512), got {args.seq_len}")
     if args.batch_size < 1 or args.pairs < 0 or args.warmup < 0:
-        fail(f"--batch_size must be >= 1 and --pairs / --warmup >= 0, got {args.batch_size}, {args.pairs}, {args.warmup}")
+        fail(f"--batch_size must be >= 1 and --pairs / --warmup >= 0, got {args.batch_size}, {args.pairs}, "
+             f"{args.warmup}")
     if not 0.0 < args.mlm_probability < 1.0:
         fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     try:
         kernel_names(args.kernels)
     except ValueError:
-        fail(f"--kernels must be auto, reference or kernel names from {', '.join(KERNEL_NAMES)} (comma-separated), "
+        fail(f"--kernels must be auto, reference or kernel names from {', '.join(KERNELS)} (comma-separated), "
              f"got {args.kernels!r}")
     if args.autocast_scope not in ("forward", "run"):
         fail(f"--autocast_scope must be forward or run, got {args.autocast_scope!r}")
@@ -202,7 +225,8 @@ def check_args(args: BenchmarkArguments) -> None:
 
 
 def optimizer_args(args) -> TrainingArguments:
-    """The TrainingArguments of `--optim` (lr 1e-5, everything else Trainer's defaults); unknown names raise ValueError."""
+    """The TrainingArguments of `--optim` (lr 1e-5, everything else Trainer's defaults); unknown names raise
+    ValueError."""
     import tempfile
 
     return TrainingArguments(tempfile.gettempdir(), optim=args.optim, learning_rate=1e-5, report_to="none")
@@ -215,19 +239,28 @@ def make_optimizer(training_args: TrainingArguments, model):
     return cls(model.parameters(), weight_decay=training_args.weight_decay, **kwargs)
 
 
-def kernel_record(args, start_s: float, workload_start_s: float | None = None) -> dict:
+def apply_kernels(args, ours, sparse_prediction: bool):
+    """`--kernels` put on ours by hf_bert_impl.kernelize (replacing what was on it); `sparse_prediction`: with labels
+    the MLM decoder runs on the masked positions only. --kernels reference: every kernel taken off, the plain model."""
+    return hf_bert_impl.kernelize(ours, args.kernels, sparse_prediction=sparse_prediction)
+
+
+def kernel_record(args, start_s: float, workload_start_s: float | None = None, model=None) -> dict:
     """The kernels ours runs under `--kernels`: "auto" -> the choices made in this process by now
     (kernels_bert_impl.chosen_kernels(): {"point|device|dtype|shape class": kernel or "reference"}), "reference" ->
     "reference", forced names -> their sorted list; and the seconds spent measuring since `start_s` (the run's start;
     measuring is a one-time cost per shape class, zero when every choice came from the record file) and since
-    `workload_start_s`."""
+    `workload_start_s`. With `model`: `kernelized`, how many of its modules run each kernel function
+    (hf_bert_impl.kernelized; {} for the plain model)."""
     setting = kernels_bert_impl.parse_setting(args.kernels)
     now = kernels_bert_impl.measurement_seconds()
-    record = {"setting": args.kernels,
-              "chosen": kernels_bert_impl.chosen_kernels() if setting == "auto" else setting if setting == "reference" else sorted(setting),
-              "measurement_s": now - start_s}
+    chosen = setting if setting == "reference" else sorted(setting) if setting != "auto" else \
+        kernels_bert_impl.chosen_kernels()
+    record = {"setting": args.kernels, "chosen": chosen, "measurement_s": now - start_s}
     if workload_start_s is not None:
         record["measurement_s_workload"] = now - workload_start_s
+    if model is not None:
+        record["kernelized"] = dict(sorted(Counter(hf_bert_impl.kernelized(model).values()).items()))
     return record
 
 
@@ -251,7 +284,8 @@ def describe_kernels(record: dict) -> str:
 
 
 def build_models(args, backend: str, device, dtype):
-    """transformers' BertForMaskedLM with BERT's random init (seeded), and ours converted from it."""
+    """transformers' BertForMaskedLM with BERT's random init (seeded), and ours converted from it, `--kernels` put on
+    it (sparse prediction: the mlm workload's)."""
     sizes = SIZE_PRESETS[args.size]
     hf_config = BertConfig(
         vocab_size=30522, max_position_embeddings=512, attn_implementation=backend, **sizes,
@@ -259,10 +293,8 @@ def build_models(args, backend: str, device, dtype):
     torch.manual_seed(args.seed)
     hf = BertForMaskedLM(hf_config)
     ours = from_hf_bert(hf, BertImplForMaskedLM)
-    ours.config.sparse_prediction = True
-    ours.config.kernels = args.kernels
     ours.set_attn_implementation(backend)
-    return hf.to(device, dtype), ours.to(device, dtype)
+    return hf.to(device, dtype), apply_kernels(args, ours.to(device, dtype), sparse_prediction=True)
 
 
 def corpus_ids(tokenizer, needed: int, seed: int) -> tuple[list[int], str]:
@@ -384,7 +416,8 @@ def check_outputs(args, hf, ours, batches, backend) -> dict:
     out_b.loss.backward()
     if exact:
         report["mlm_loss_abs_diff"] = abs(out_a.loss.item() - out_b.loss.item())
-        report["mlm_logits_max_abs_diff"] = (out_a.logits[keep] - out_b.logits).abs().max().item()
+        masked_b = out_b.logits if out_b.logits.dim() == 2 else out_b.logits[keep]  # (n, V): sparse, or plain
+        report["mlm_logits_max_abs_diff"] = (out_a.logits[keep] - masked_b).abs().max().item()
         # transformers' gradients put through the converter's key table (Q, K, V joined into Wqkv)
         hf_grads, _ = convert_hf_state_dict(
             {k: p.grad for k, p in hf.named_parameters()}, hf.config.num_hidden_layers, tied=True
@@ -393,12 +426,12 @@ def check_outputs(args, hf, ours, batches, backend) -> dict:
             return max((p.grad - hf_grads[key]).abs().max().item() for key, p in ours.named_parameters())
 
         report["mlm_grad_max_abs_diff"] = worst_grad_diff()
-        if "mlm_dense" in args.workloads.split(","):  # the default config: full (b, s, V) logits
-            ours.config.sparse_prediction = False
+        if "mlm_dense" in args.workloads.split(","):  # full (b, s, V) logits
+            apply_kernels(args, ours, sparse_prediction=False)
             ours.zero_grad()
             out_c = ours(**x)
             out_c.loss.backward()  # the decoder's backward skips the unlabelled rows (zero gradient)
-            ours.config.sparse_prediction = True
+            apply_kernels(args, ours, sparse_prediction=True)
             report["mlm_dense_loss_abs_diff"] = abs(out_a.loss.item() - out_c.loss.item())
             report["mlm_dense_logits_max_abs_diff"] = (out_a.logits - out_c.logits.detach()).abs().max().item()
             report["mlm_dense_grad_max_abs_diff"] = worst_grad_diff()
@@ -434,12 +467,8 @@ def step_fn(model, workload, batch, optimizer, context=nullcontext):
                 model.bert(**batch)
         return run
 
-    sparse = workload == "mlm"
-
     def train():
         optimizer.zero_grad(set_to_none=True)
-        if hasattr(model.config, "sparse_prediction"):  # ours: mlm sparse, mlm_dense the default config
-            model.config.sparse_prediction = sparse
         with context():
             loss = model(**batch).loss
         loss.backward()
@@ -606,6 +635,7 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks, start_s: float =
         n_masked = int(batch["labels"].ne(-100).sum()) if training else 0
         for m in (hf, ours):
             m.train(training)
+        apply_kernels(args, ours, sparse_prediction=workload == "mlm")  # mlm: sparse; mlm_dense: full logits
         optim_args = optimizer_args(args) if training else None
         opt_a, opt_b = (make_optimizer(optim_args, hf), make_optimizer(optim_args, ours)) if training else (None, None)
         # --autocast_scope run: one autocast context around all the inference calls (training steps keep one each:
@@ -621,7 +651,7 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks, start_s: float =
         peaks.sample()
         flops = model_flops(ours.config, workload, real_lengths, n_masked)
         row = timing_row(times, "transformers", pairs, mask, flops, peaks.best)
-        row["ours_kernels"] = kernel_record(args, start_s, workload_start)
+        row["ours_kernels"] = kernel_record(args, start_s, workload_start, ours)
         if args.memory:
             for tag, fn, model in (("transformers", fn_a, hf), ("ours", fn_b, ours)):
                 if device.type == "cuda":
@@ -650,14 +680,16 @@ class _LastHiddenState(torch.nn.Module):
         self.bert = bert
 
     def forward(self, input_ids, attention_mask, token_type_ids):
-        return self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+        out = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        return out.last_hidden_state
 
 
 def _export_onnx_module():
     """scripts/export_onnx.py (our own export, with its dynamic shapes), imported by path."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("export_onnx", os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_onnx.py"))
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_onnx.py")
+    spec = importlib.util.spec_from_file_location("export_onnx", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -678,7 +710,8 @@ def onnx_sessions(hf, ours, threads: int, workdir: str) -> dict:
             input_names=list(exporter.INPUT_NAMES), output_names=["last_hidden_state"], opset_version=18,
             dynamo=True, verbose=False,
         )
-    exporter.export_onnx(ours.bert.eval(), ours_path)
+    plain = hf_bert_impl.kernelize(copy.deepcopy(ours.bert), "reference").eval()  # the plain model: what ONNX gets
+    exporter.export_onnx(plain, ours_path)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
@@ -725,7 +758,8 @@ def run_onnxruntime(args, device, tokenizer, peaks, start_s: float = 0.0):
                 out = session(x)
                 checks[f"{name}_{tag}_vs_ours"] = (out - mine)[real].abs().max().item()
                 checks[f"{name}_{tag}_vs_transformers"] = (out - ref)[real].abs().max().item()
-        print("[onnxruntime] outputs (max |diff| on real tokens): " + ", ".join(f"{k}={v:.2e}" for k, v in checks.items()))
+        print("[onnxruntime] outputs (max |diff| on real tokens): "
+              + ", ".join(f"{k}={v:.2e}" for k, v in checks.items()))
         bad = {k: v for k, v in checks.items() if not v <= 1e-4}
         if bad:
             fail(f"onnxruntime outputs differ by more than 1e-4: {bad}")
@@ -743,7 +777,7 @@ def run_onnxruntime(args, device, tokenizer, peaks, start_s: float = 0.0):
             times = interleaved(fns, pairs, args.warmup, device)
             flops = model_flops(ours.config, workload, mask.sum(1).tolist(), 0)
             row = timing_row(times, "onnxruntime_transformers", pairs, mask, flops, peaks.best)
-            row["ours_kernels"] = kernel_record(args, start_s, workload_start)
+            row["ours_kernels"] = kernel_record(args, start_s, workload_start, ours)
             row.update(ratios(times["onnxruntime_transformers"], times["onnxruntime_ours"], prefix="ours_onnx_ratio"))
             results[workload] = row
             for tag in times:
@@ -753,20 +787,23 @@ def run_onnxruntime(args, device, tokenizer, peaks, start_s: float = 0.0):
             print(f"  {workload:6s} ours' kernels: {describe_kernels(row['ours_kernels'])}")
             print(f"  {workload:6s} ours / onnxruntime(transformers): {row['ratio_median']:.3f}x "
                   f"(range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}); our ONNX export in onnxruntime / "
-                  f"onnxruntime(transformers): {row['ours_onnx_ratio_median']:.3f}x; real-token fraction {row['real_token_fraction']:.3f}")
+                  f"onnxruntime(transformers): {row['ours_onnx_ratio_median']:.3f}x; real-token fraction "
+                  f"{row['real_token_fraction']:.3f}")
             peaks.sample()
     return {"checks": checks, "workloads": results, "mixed_lengths": lengths, "text": source}
 
 
 def markdown_table_ort(result) -> str:
-    lines = ["| workload | onnxruntime (transformers' BERT) tok/s (real) | ours (torch) tok/s (real) | ours / ORT (median) [range] "
-             "| target | our ONNX export in ORT tok/s (real) | our ONNX / ORT(transformers) |",
+    lines = ["| workload | onnxruntime (transformers' BERT) tok/s (real) | ours (torch) tok/s (real) "
+             "| ours / ORT (median) [range] | target | our ONNX export in ORT tok/s (real) "
+             "| our ONNX / ORT(transformers) |",
              "|---|---|---|---|---|---|---|"]
     for w, row in result["backends"]["onnxruntime"]["workloads"].items():
         target = TARGETS_ORT[w][1]
         ok = "met" if row["ratio_median"] >= target else f"missed by {target - row['ratio_median']:.2f}"
         lines.append(
-            f"| {w} | {row['onnxruntime_transformers']['tokens_per_s_real']:.0f} | {row['ours']['tokens_per_s_real']:.0f} "
+            f"| {w} | {row['onnxruntime_transformers']['tokens_per_s_real']:.0f} "
+            f"| {row['ours']['tokens_per_s_real']:.0f} "
             f"| **{row['ratio_median']:.2f}x** [{row['ratio_min']:.2f}-{row['ratio_max']:.2f}] | >= {target}x ({ok}) "
             f"| {row['onnxruntime_ours']['tokens_per_s_real']:.0f} | {row['ours_onnx_ratio_median']:.2f}x |"
         )
@@ -785,7 +822,8 @@ def print_row(backend, workload, row):
     if "ours_kernels" in row:
         print(f"  {workload:6s} ours' kernels: {describe_kernels(row['ours_kernels'])}")
     print(f"  {workload:6s} ours/transformers: {row['ratio_median']:.3f}x tokens/s (median of {row['pairs']} pairs, "
-          f"range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}){mem}; real-token fraction {row['real_token_fraction']:.3f}")
+          f"range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}){mem}; real-token fraction "
+          f"{row['real_token_fraction']:.3f}")
 
 
 def markdown_table(result) -> str:
@@ -796,7 +834,8 @@ def markdown_table(result) -> str:
     else:
         targets = TARGETS_BF16 if result["args"]["dtype"] in ("bf16", "autocast") else TARGETS
     lines = ["| backend | workload | transformers ms | ours ms | transformers tok/s (real) | ours tok/s (real) "
-             "| ratio (median) | target | peak MB transformers / ours (ratio) | ours activations MB | MFU transformers / ours |",
+             "| ratio (median) | target | peak MB transformers / ours (ratio) | ours activations MB "
+             "| MFU transformers / ours |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for backend, res in result["backends"].items():
         for w, row in res["workloads"].items():
@@ -809,7 +848,8 @@ def markdown_table(result) -> str:
             act = f"{b['activation_memory_mb']:.0f}" if b.get("activation_memory_mb") is not None else "-"
             lines.append(
                 f"| {backend} | {w} | {a['latency_ms']:.0f} | {b['latency_ms']:.0f} | {a['tokens_per_s_real']:.0f} "
-                f"| {b['tokens_per_s_real']:.0f} | **{row['ratio_median']:.2f}x** | >= {target}x ({ok}) | {mem} | {act} "
+                f"| {b['tokens_per_s_real']:.0f} | **{row['ratio_median']:.2f}x** | >= {target}x ({ok}) | {mem} "
+                f"| {act} "
                 f"| {100 * a['mfu']:.1f}% / {100 * b['mfu']:.1f}% |"
             )
     return "\n".join(lines)
@@ -820,7 +860,7 @@ def main(argv=None):
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    start_s = kernels_bert_impl.measurement_seconds()  # measuring done before this run (a caller's process) not counted
+    start_s = kernels_bert_impl.measurement_seconds()  # measuring before this run (a caller's process): not counted
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = DTYPES[args.dtype]
@@ -829,27 +869,31 @@ def main(argv=None):
     tokenizer = load_tokenizer()
     peaks = PeakSampler(device, gemm_dtype(args), args.peak_n or None)
     peaks.sample()
-    result = {"args": asdict(args), "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = {"args": asdict(args), "command": command,
               "machine": info, "device_type": device.type, "backends": {}}
     if args.against == "onnxruntime":
         result["backends"]["onnxruntime"] = run_onnxruntime(args, device, tokenizer, peaks, start_s)
     for backend in args.backends.split(",") if args.against == "transformers" else ():
         result["backends"][backend] = run_backend(args, backend, device, dtype, tokenizer, peaks, start_s)
     result["kernels"] = {**kernel_record(args, start_s), "cache": kernels_bert_impl.cache_path()}
-    print(f"ours' kernels: {describe_kernels(result['kernels'])}; record: {result['kernels']['cache'] or 'off (memory only)'}")
+    record = result["kernels"]["cache"] or "off (memory only)"
+    print(f"ours' kernels: {describe_kernels(result['kernels'])}; record: {record}")
     peaks.sample()
     # MFU was computed per workload with the best peak seen so far; recompute with the run's best.
     for res in result["backends"].values():
         for row in res["workloads"].values():
             for tag in [t for t in row if isinstance(row[t], dict) and "latency_ms" in row[t]]:
                 row[tag]["mfu"] = row["model_flops"] / (row[tag]["latency_ms"] / 1e3) / peaks.best
-    result["matmul_peak_flops"] = {"best": peaks.best, "best_per_kernel": peaks.best_per_kernel(), "samples": peaks.samples}
+    result["matmul_peak_flops"] = {"best": peaks.best, "best_per_kernel": peaks.best_per_kernel(),
+                                   "samples": peaks.samples}
     try:
         result["machine"]["load_average_at_end"] = os.getloadavg()
     except OSError:
         pass
     per_kernel = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.best_per_kernel().items())
-    print(f"matmul peak ({args.dtype}, best of {len(peaks.samples)} samples): {peaks.best / 1e9:.1f} GFLOP/s ({per_kernel})")
+    print(f"matmul peak ({args.dtype}, best of {len(peaks.samples)} samples): {peaks.best / 1e9:.1f} GFLOP/s "
+          f"({per_kernel})")
     table = markdown_table(result)
     print(table)
     result["markdown_table"] = table

@@ -26,10 +26,11 @@ Check first: with dropout off (model.eval()) the first batch's loss must agree b
 else it stops (exit 1). Then, in training mode (dropout on), forward + backward (+ an AdamW step with
 --optimizer_step true; off by default) is timed per batch, padded then packed, batch by batch, for
 --passes passes after --warmup untimed pairs. Speed-up = padded seconds / packed seconds (all passes;
-min-max of the per-pass ratios beside it). `--kernels` is the model's config.kernels (default auto: each kernel
-point measured once per shape class, in an untimed training-mode forward over every batch before timing); the JSON's
-"kernels" records the setting, the kernels the model ran (the choices "auto" made, or the forced set) and the seconds
-spent measuring them.
+min-max of the per-pass ratios beside it). `--kernels` goes to `hf_bert_impl.kernelize(model, kernels)` (default
+auto: each kernel point measured once per shape class, in an untimed training-mode forward over every batch before
+timing; reference: the model is not kernelized, the plain model runs); the JSON's "kernels" records the setting, the
+kernels the model ran (the choices "auto" made, or the forced set), how many modules run each kernel function
+(`kernelized`) and the seconds spent measuring them.
 """
 
 from __future__ import annotations
@@ -40,16 +41,24 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import AutoTokenizer, DataCollatorForTokenClassification, DataCollatorWithFlattening, HfArgumentParser
+from transformers import (
+    AutoTokenizer,
+    DataCollatorForTokenClassification,
+    DataCollatorWithFlattening,
+    HfArgumentParser,
+)
 
-from hf_bert_impl import BertImplConfig, BertImplForTokenClassification
+import hf_bert_impl
+from hf_bert_impl import BertImplConfig, BertImplForTokenClassification, kernels_bert_impl
 from hf_bert_impl import data as D
-from hf_bert_impl import kernels_bert_impl
 from hf_bert_impl.cli import machine_record, write_result_json
-from hf_bert_impl.configuration_bert_impl import KERNEL_NAMES, SIZE_PRESETS, kernel_names
+from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
+from hf_bert_impl.kernels_bert_impl import KERNELS, kernel_names
+
 
 TAGS = ["O", "KEYWORD", "CAPITALISED"]
 LOSS_TOLERANCE = 1e-5
@@ -57,16 +66,17 @@ LOSS_TOLERANCE = 1e-5
 
 @dataclass
 class PackingArguments:
-    model_size: str = field(default="tiny", metadata={"help": f"BertImplConfig size preset: {', '.join(SIZE_PRESETS)}"})
+    model_size: str = field(default="tiny",
+                            metadata={"help": f"BertImplConfig size preset: {', '.join(SIZE_PRESETS)}"})
     batch_size: int = field(default=32)
     num_batches: int = field(default=10, metadata={"help": "rows = batch_size x num_batches"})
     max_seq_length: int = field(default=256, metadata={"help": "truncate rows to this many tokens (8 to 512)"})
     passes: int = field(default=3, metadata={"help": "timed passes over all batches"})
     warmup: int = field(default=2, metadata={"help": "untimed (padded, packed) batch pairs before timing"})
-    kernels: str = field(default="auto", metadata={"help": "the model's config.kernels: auto (measured), reference (the "
-                                                           "plain model: padded batches run on the whole grid, packed rows "
-                                                           "on a block-diagonal mask) or kernel names, comma-separated: "
-                                                           + ", ".join(KERNEL_NAMES)})
+    kernels: str = field(default="auto", metadata={"help": "hf_bert_impl.kernelize(model, kernels): auto (measured), "
+                                                           "reference (the plain model: padded batches run on the "
+                                                           "whole grid, packed rows on a block-diagonal mask) or "
+                                                           "kernel names, comma-separated: " + ", ".join(KERNELS)})
     tokenizer_name: str | None = field(default=None, metadata={"help": "a saved tokenizer (default: one trained "
                                                                         "on the corpus)"})
     optimizer_step: bool = field(default=False, metadata={"help": "also time an AdamW step per batch"})
@@ -93,7 +103,7 @@ def check_args(args: PackingArguments) -> None:
     try:
         kernel_names(args.kernels)
     except ValueError:
-        fail(f"--kernels must be auto, reference or kernel names from {', '.join(KERNEL_NAMES)} (comma-separated), "
+        fail(f"--kernels must be auto, reference or kernel names from {', '.join(KERNELS)} (comma-separated), "
              f"got {args.kernels!r}")
 
 
@@ -159,8 +169,9 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     model = BertImplForTokenClassification(BertImplConfig.from_preset(
-        args.model_size, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=len(TAGS),
-        kernels=args.kernels))
+        args.model_size, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=len(TAGS)))
+    if args.kernels != "reference":  # reference: the plain model, as a trust_remote_code user runs it
+        hf_bert_impl.kernelize(model, args.kernels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if args.optimizer_step else None
 
     model.eval()  # dropout off: both layouts must compute the same loss
@@ -194,8 +205,10 @@ def main(argv=None):
                  "real_tokens_per_s": real * args.passes / sum(t)} for k, t in per_pass.items()}
     ratios = [a / b for a, b in zip(per_pass["padded"], per_pass["packed"])]
     setting = kernels_bert_impl.parse_setting(args.kernels)
-    kernels = {"setting": args.kernels,
-               "chosen": kernels_bert_impl.chosen_kernels() if setting == "auto" else setting if setting == "reference" else sorted(setting),
+    chosen = setting if setting == "reference" else sorted(setting) if setting != "auto" else \
+        kernels_bert_impl.chosen_kernels()
+    kernels = {"setting": args.kernels, "chosen": chosen,
+               "kernelized": dict(sorted(Counter(hf_bert_impl.kernelized(model).values()).items())),
                "measurement_s": kernels_bert_impl.measurement_seconds() - measured_before}
     words, tokens = sorted(len(r) for r in rows), sorted(lengths)
     result = {
@@ -216,8 +229,9 @@ def main(argv=None):
 
     print(f"{len(rows)} rows: {words[0]} to {words[-1]} words (median {statistics.median(words)}), {tokens[0]} to "
           f"{tokens[-1]} tokens; real tokens {100 * real / grid:.1f} % of the padded grid ({real:,} of {grid:,})")
-    print(f"kernels: {args.kernels}" + (f" ({len(kernels['chosen'])} choices, measuring took {kernels['measurement_s']:.2f} s)"
-                                        if setting == "auto" else " (forced)" if setting != "reference" else " (the plain model)"))
+    said = " (the plain model)" if setting == "reference" else " (forced)" if setting != "auto" else \
+        f" ({len(kernels['chosen'])} choices, measuring took {kernels['measurement_s']:.2f} s)"
+    print(f"kernels: {args.kernels}{said}")
     threads = f"{torch.get_num_threads()}" + ("" if args.kernels == "auto" else f", `kernels={args.kernels}`")
     cells = [f"{p['seconds']:.2f} s, {p['sequences_per_s']:.1f} sequences/s, "
              f"{p['real_tokens_per_s']:,.0f} real tokens/s" for p in paths.values()]

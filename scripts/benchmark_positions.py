@@ -17,8 +17,9 @@ nothing about context sits there.
     # any text file (one text per line)
     python scripts/benchmark_positions.py --corpus my_corpus.txt --steps 600 --model_size mini
 
-Writes OUT.json (every curve, the means, the unigram loss, the settings, the CPU) and OUT.png (held-out loss
-against steps, one line per variant and seed).
+Ours trains with the package's speed layer (`hf_bert_impl.kernelize(model, --kernels)`, default auto), as the
+package's scripts do. Writes OUT.json (every curve, the means, the unigram loss, the settings, the kernels ours chose,
+the CPU) and OUT.png (held-out loss against steps, one line per variant and seed).
 """
 
 from __future__ import annotations
@@ -33,15 +34,23 @@ import numpy as np
 import torch
 from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-from hf_bert_impl import SIZE_PRESETS, BertImplConfig, BertImplForMaskedLM, __version__
-from hf_bert_impl import cli
+from hf_bert_impl import (
+    SIZE_PRESETS,
+    BertImplConfig,
+    BertImplForMaskedLM,
+    __version__,
+    cli,
+    kernelize,
+    kernels_bert_impl,
+)
 from hf_bert_impl import data as D
 
+
 VARIANTS = {  # config fields of ours (None: transformers' BertForMaskedLM)
-    "ours-default": dict(),
-    "ours-scale-only": dict(),  # then the word embeddings re-initialised at normal(0, initializer_range)
-    "ours-unscaled": dict(scale_word_embeddings=False),
-    "ours-learned": dict(position_embedding_type="learned"),
+    "ours-default": {},
+    "ours-scale-only": {},  # then the word embeddings re-initialised at normal(0, initializer_range)
+    "ours-unscaled": {"scale_word_embeddings": False},
+    "ours-learned": {"position_embedding_type": "learned"},
     "transformers": None,
 }
 
@@ -63,25 +72,47 @@ def build_model(variant: str, size: dict, vocab_size: int, max_len: int, dropout
 def run(variant: str, seed: int, args, train_blocks, eval_masked, vocab_size: int, collator) -> list[dict]:
     torch.manual_seed(seed)
     model = build_model(variant, SIZE_PRESETS[args.model_size], vocab_size, args.max_seq_length, args.dropout)
+    if VARIANTS[variant] is not None:  # ours, with the speed layer as the package's scripts train (--kernels)
+        kernelize(model, args.kernels)
     training_args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix=f"positions-{variant}-{seed}-"), max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=64, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, weight_decay=0.01,
-        lr_scheduler_type="linear", eval_strategy="steps", eval_steps=args.eval_every, logging_steps=args.eval_every,
-        save_strategy="no", report_to="none", use_cpu=True, seed=seed, data_seed=seed, disable_tqdm=True,
+        output_dir=tempfile.mkdtemp(prefix=f"positions-{variant}-{seed}-"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=64,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        weight_decay=0.01,
+        lr_scheduler_type="linear",
+        eval_strategy="steps",
+        eval_steps=args.eval_every,
+        logging_steps=args.eval_every,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=seed,
+        data_seed=seed,
+        disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_blocks, eval_dataset=eval_masked,
-                      data_collator=collator)
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=train_blocks, eval_dataset=eval_masked, data_collator=collator
+    )
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     shutil.rmtree(training_args.output_dir, ignore_errors=True)  # nothing is saved: the curve is the result
-    curve = [{"step": row["step"], "eval_loss": row["eval_loss"]} for row in trainer.state.log_history if "eval_loss" in row]
+    curve = [
+        {"step": row["step"], "eval_loss": row["eval_loss"]} for row in trainer.state.log_history if "eval_loss" in row
+    ]
     return curve, seconds
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", default="embedded", help="embedded, stdlib_docstrings, or a text file (one text per line)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--corpus", default="embedded", help="embedded, stdlib_docstrings, or a text file (one text per line)"
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -93,9 +124,19 @@ def main(argv=None):
     parser.add_argument("--warmup_steps", type=int, default=30)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--vocab_size", type=int, default=4000)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (the losses do not depend on it beyond rounding)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the losses do not depend on it beyond rounding)"
+    )
+    parser.add_argument(
+        "--kernels", default="auto", help="ours' speed layer (hf_bert_impl.kernelize): auto, reference (the plain "
+        "model) or kernel names, comma-separated; the losses do not depend on it beyond rounding"
+    )
     parser.add_argument("--out", default="outputs/positions", help="writes OUT.json and OUT.png")
     args = parser.parse_args(argv)
+    try:
+        kernels_bert_impl.kernel_names(args.kernels)
+    except ValueError as e:
+        parser.error(f"--kernels: {e}")
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,28 +148,50 @@ def main(argv=None):
     eval_masked = D.mask_once(eval_blocks, tokenizer, seed=1234)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     unigram = D.unigram_loss(train_blocks, eval_masked, len(tokenizer))
-    print(f"corpus: {description}; {len(train_blocks)} training / {len(eval_masked)} held-out blocks of "
-          f"{args.max_seq_length}; unigram loss {unigram:.3f}")
+    print(
+        f"corpus: {description}; {len(train_blocks)} training / {len(eval_masked)} held-out blocks of "
+        f"{args.max_seq_length}; unigram loss {unigram:.3f}"
+    )
 
     results = {}
     for variant in args.variants:
         for seed in args.seeds:
             curve, seconds = run(variant, seed, args, train_blocks, eval_masked, len(tokenizer), collator)
             results.setdefault(variant, []).append({"seed": seed, "curve": curve, "seconds": round(seconds, 1)})
-            print(f"{variant:15s} seed {seed}: held-out loss " + " ".join(f"{p['step']}:{p['eval_loss']:.3f}" for p in curve)
-                  + f" ({seconds:.0f} s)")
+            print(
+                f"{variant:15s} seed {seed}: held-out loss "
+                + " ".join(f"{p['step']}:{p['eval_loss']:.3f}" for p in curve)
+                + f" ({seconds:.0f} s)"
+            )
     final = {v: float(np.mean([r["curve"][-1]["eval_loss"] for r in runs])) for v, runs in results.items()}
     report = {
-        "what": "held-out masked-LM loss after each number of steps, per positional encoding", "version": __version__,
-        "corpus": description, "model_size": args.model_size, "size": SIZE_PRESETS[args.model_size],
+        "what": "held-out masked-LM loss after each number of steps, per positional encoding",
+        "version": __version__,
+        "corpus": description,
+        "model_size": args.model_size,
+        "size": SIZE_PRESETS[args.model_size],
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "corpus")},
-        "train_blocks": len(train_blocks), "held_out_blocks": len(eval_masked), "unigram_loss": unigram,
-        "final_mean_eval_loss": final, "machine": cli.machine_record(), "runs": results,
+        "train_blocks": len(train_blocks),
+        "held_out_blocks": len(eval_masked),
+        "unigram_loss": unigram,
+        "final_mean_eval_loss": final,
+        "kernels": {"setting": args.kernels, "chosen": kernels_bert_impl.chosen_kernels(),
+                    "measurement_seconds": round(kernels_bert_impl.measurement_seconds(), 3)},
+        "machine": cli.machine_record(),
+        "runs": results,
     }
     cli.write_result_json(report, f"{args.out}.json")
     plot(report, f"{args.out}.png")
-    print("mean held-out loss at step", args.steps, ":", ", ".join(f"{v} {l:.3f}" for v, l in final.items()),
-          f"(unigram {unigram:.3f})")
+    print(
+        "mean held-out loss at step",
+        args.steps,
+        ":",
+        ", ".join(f"{v} {l:.3f}" for v, l in final.items()),
+        f"(unigram {unigram:.3f})",
+    )
+    kernels = report["kernels"]
+    print(f"ours' kernels ({args.kernels}): {len(kernels['chosen'])} measured choices "
+          f"({kernels['measurement_seconds']:.2f} s measuring)")
     print(f"wrote {args.out}.png")
 
 
@@ -141,8 +204,13 @@ def plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (variant, runs) in enumerate(report["runs"].items()):
         for j, r in enumerate(runs):
-            ax.plot([p["step"] for p in r["curve"]], [p["eval_loss"] for p in r["curve"]], color=f"C{i}", alpha=0.8,
-                    label=variant if j == 0 else None)
+            ax.plot(
+                [p["step"] for p in r["curve"]],
+                [p["eval_loss"] for p in r["curve"]],
+                color=f"C{i}",
+                alpha=0.8,
+                label=variant if j == 0 else None,
+            )
     ax.axhline(report["unigram_loss"], color="grey", linestyle="--", label="unigram loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("held-out masked-LM loss")

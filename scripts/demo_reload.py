@@ -3,7 +3,8 @@ package would (`AutoModelForSequenceClassification.from_pretrained(dir, trust_re
 the model code comes from the directory's own copy), predict a labelled file and print the metrics.
 It does not import hf_bert_impl.
 
-    python scripts/demo_reload.py --model_dir outputs/demo/statement-topic --data_file outputs/demo/statement_topic_test.jsonl
+    python scripts/demo_reload.py --model_dir outputs/demo/statement-topic \
+        --data_file outputs/demo/statement_topic_test.jsonl
 
 When the directory holds the fine-tuning run's predictions.jsonl for the same rows, the reloaded
 model's predictions are compared with them row by row and a mismatch exits with status 1.
@@ -23,7 +24,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, HfAr
 
 @dataclass
 class Arguments:
-    model_dir: str = field(metadata={"help": "A directory written by scripts/finetune.py (or any bert_impl classifier)."})
+    model_dir: str = field(
+        metadata={"help": "A directory written by scripts/finetune.py (or any bert_impl classifier)."}
+    )
     data_file: str = field(metadata={"help": "json/jsonl/csv file with the text and label columns."})
     text_column: str = field(default="sentence", metadata={"help": "Column holding the text."})
     label_column: str = field(default="label", metadata={"help": "Column holding the gold label (name or id)."})
@@ -50,8 +53,10 @@ def main(argv=None) -> int:
     # The directory's config.json carries auto_map, so even the tokenizer lookup asks for trust_remote_code.
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, trust_remote_code=True).eval()
-    print(f"loaded {type(model).__name__} from {type(model).__module__} (the directory's own code), "
-          f"{model.num_parameters() / 1e6:.2f}M parameters")
+    print(
+        f"loaded {type(model).__name__} from {type(model).__module__} (the directory's own code), "
+        f"{model.num_parameters() / 1e6:.2f}M parameters"
+    )
 
     id2label = {int(k): v for k, v in model.config.id2label.items()}
     label2id = {v: k for k, v in id2label.items()}
@@ -83,7 +88,10 @@ def main(argv=None) -> int:
             agree = sum(id2label[p] == b["prediction"] for p, b in zip(predicted, before))
             print(f"\nagreement with the fine-tuning run's own predictions: {agree}/{len(texts)}")
             if agree != len(texts):
-                print("demo_reload.py: error: the reloaded model predicts differently from the saved run", file=sys.stderr)
+                print(
+                    "demo_reload.py: error: the reloaded model predicts differently from the saved run",
+                    file=sys.stderr,
+                )
                 return 1
     return 0
 

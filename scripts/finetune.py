@@ -39,8 +39,10 @@ hf_bert_impl/data.py):
 
 `--model_name_or_path` takes our checkpoints or a transformers BERT (converted on the fly). Every
 `TrainingArguments` option works (`accelerate launch --multi_gpu ...`, --bf16, --gradient_checkpointing).
-The output directory holds the model in Hub format, the tokenizer, predictions.jsonl (for the test split,
-else the validation split), training_facts.json, loss_curve.png and the model card README.md.
+The model trains and predicts with the package's speed layer (`hf_bert_impl.kernelize(model, --kernels)`; `--kernels
+reference`: the plain model); the kernels it chose are logged at the end and recorded under "kernels" in
+training_facts.json. The output directory holds the plain model in Hub format, the tokenizer, predictions.jsonl (for
+the test split, else the validation split), training_facts.json, loss_curve.png and the model card README.md.
 
 Metrics are computed only against real labels: a split whose labels are all placeholders (-1 or None,
 as in GLUE's test splits) gets predictions only, and training_facts.json / the model card say so.
@@ -74,11 +76,11 @@ from transformers import (
 )
 
 import hf_bert_impl
-from hf_bert_impl import BertImplForSequenceClassification, BertImplForTokenClassification
-from hf_bert_impl import cli
+from hf_bert_impl import BertImplForSequenceClassification, BertImplForTokenClassification, cli, kernels_bert_impl
 from hf_bert_impl import data as D
 from hf_bert_impl.hub import BOOKKEEPING_SUFFIXES
 from hf_bert_impl.metrics import METRIC_PATH
+
 
 logger = logging.getLogger("finetune")
 
@@ -94,10 +96,10 @@ SENTENCE_KEYS = [
 ]
 TAG_COLUMNS = ("ner_tags", "tags", "pos_tags", "labels", "label")
 EMBEDDED_TASKS = {
-    "statement_topic": "embedded statement-topic task (hf_bert_impl.data.statement_topic_task): sentences of the Python "
-                       "Language Reference, label 1 = from a section titled as a statement, 0 = any other section",
+    "statement_topic": "embedded statement-topic task (hf_bert_impl.data.statement_topic_task): sentences of the "
+    "Python Language Reference, label 1 = from a section titled as a statement, 0 = any other section",
     "word_order": "embedded word-order task (hf_bert_impl.data.word_order_task): sentences of the Python Language "
-                  "Reference, label 1 = as written, 0 = words shuffled",
+    "Reference, label 1 = as written, 0 = words shuffled",
 }
 
 
@@ -110,6 +112,7 @@ class ModelArguments:
     task_type: str = field(
         default="auto", metadata={"help": "sequence | token | auto (token when the data has tokens + tags columns)."}
     )
+    kernels: str = field(default="auto", metadata={"help": cli.KERNELS_HELP})
 
 
 @dataclass
@@ -121,38 +124,49 @@ class DataArguments:
     test_file: str | None = field(default=None, metadata={"help": "Rows to predict (labels optional)."})
     embedded_task: str = field(
         default="statement_topic",
-        metadata={"help": "Task used when no data option is given: statement_topic or word_order (hf_bert_impl/data.py)."},
+        metadata={
+            "help": "Task used when no data option is given: statement_topic or word_order (hf_bert_impl/data.py)."
+        },
     )
     sentence1_key: str | None = field(default=None, metadata={"help": "First text column (default: GLUE names)."})
     sentence2_key: str | None = field(default=None, metadata={"help": "Second text column of a pair (optional)."})
     label_column: str = field(default="label", metadata={"help": "Label column (sequence classification)."})
     tokens_column: str = field(default="tokens", metadata={"help": "Column of word lists (token classification)."})
-    tags_column: str | None = field(default=None, metadata={"help": f"Column of tag lists; default: first of {TAG_COLUMNS}."})
+    tags_column: str | None = field(
+        default=None, metadata={"help": f"Column of tag lists; default: first of {TAG_COLUMNS}."}
+    )
     label_all_tokens: bool = field(
         default=False, metadata={"help": "Label every WordPiece of a word (default: the first one, others ignored)."}
     )
     max_seq_length: int = field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training rows."})
     early_stopping_patience: int | None = field(
-        default=None, metadata={"help": "Stop after this many evaluations without improvement (needs --load_best_model_at_end)."}
+        default=None,
+        metadata={"help": "Stop after this many evaluations without improvement (needs --load_best_model_at_end)."},
     )
     pack_sequences: bool = field(
         default=False,
-        metadata={"help": "Token classification: pack each batch into one row without padding (DataCollatorWithFlattening; "
-                          "the model keeps attention inside each sequence)."},
+        metadata={
+            "help": "Token classification: pack each batch into one row without padding (DataCollatorWithFlattening; "
+            "the model keeps attention inside each sequence)."
+        },
     )
     metric: str = field(
         default="auto",
-        metadata={"help": "auto: evaluate.load('glue', config) for GLUE data when the Hub is reachable, else the shipped module; "
-                          "local: always the shipped module."},
+        metadata={
+            "help": "auto: evaluate.load('glue', config) for GLUE data when the Hub is reachable, else the shipped "
+            "module; local: always the shipped module."
+        },
     )
 
 
 def load_data(data_args: DataArguments, seed: int):
     """-> (DatasetDict, description, where each split came from for error messages)."""
     if data_args.dataset_name and (data_args.train_file or data_args.validation_file or data_args.test_file):
-        raise cli.UsageError(f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file / --test_file "
-                           "are exclusive: give one data source")
+        raise cli.UsageError(
+            f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file / --test_file "
+            "are exclusive: give one data source"
+        )
     if data_args.dataset_name:
         raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
         return raw, data_args.dataset_name, {k: f"{data_args.dataset_name} ({k} split)" for k in raw}
@@ -163,7 +177,9 @@ def load_data(data_args: DataArguments, seed: int):
     if data_args.validation_file or data_args.test_file:
         raise cli.UsageError("--validation_file / --test_file need --train_file")
     if data_args.embedded_task not in D.EMBEDDED_TASKS:
-        raise cli.UsageError(f"--embedded_task must be one of {sorted(D.EMBEDDED_TASKS)}, got {data_args.embedded_task!r}")
+        raise cli.UsageError(
+            f"--embedded_task must be one of {sorted(D.EMBEDDED_TASKS)}, got {data_args.embedded_task!r}"
+        )
     raw = D.EMBEDDED_TASKS[data_args.embedded_task]()  # fixed seed: the task stays the same whatever --seed trains it
     description = EMBEDDED_TASKS[data_args.embedded_task]
     return raw, description, {k: f"embedded task {data_args.embedded_task} ({k} split)" for k in raw}
@@ -174,9 +190,11 @@ def split_roles(raw) -> tuple[list[str], list[str]]:
     "validation" or, when absent, every "validation_*" split (MNLI's validation_matched /
     validation_mismatched); likewise "test" / "test_*". The primary evaluation split is the one
     Trainer evaluates during training (best model, early stopping); the others are reported too."""
+
     def role(prefix):
         exact = [prefix] if prefix in raw else []
         return exact + sorted(k for k in raw if k.startswith(prefix + "_"))
+
     return role("validation"), role("test")
 
 
@@ -209,8 +227,13 @@ def is_regression_column(train, column: str) -> bool:
 def resolve_task(model_args, data_args, train) -> str:
     tags = data_args.tags_column or next((c for c in TAG_COLUMNS if c in train.column_names), None)
     if model_args.task_type == "auto":
-        is_token = data_args.tokens_column in train.column_names and tags is not None and isinstance(
-            train.features[tags], (datasets.Sequence, datasets.List) if hasattr(datasets, "List") else datasets.Sequence
+        is_token = (
+            data_args.tokens_column in train.column_names
+            and tags is not None
+            and isinstance(
+                train.features[tags],
+                (datasets.Sequence, datasets.List) if hasattr(datasets, "List") else datasets.Sequence,
+            )
         )
         return "token" if is_token else "sequence"
     if model_args.task_type not in ("sequence", "token"):
@@ -220,7 +243,9 @@ def resolve_task(model_args, data_args, train) -> str:
 
 def sentence_keys(data_args, train, source) -> tuple[str, str | None]:
     if data_args.sentence1_key:
-        D.check_columns(train, [data_args.sentence1_key] + ([data_args.sentence2_key] if data_args.sentence2_key else []), source)
+        D.check_columns(
+            train, [data_args.sentence1_key] + ([data_args.sentence2_key] if data_args.sentence2_key else []), source
+        )
         return data_args.sentence1_key, data_args.sentence2_key
     for first, second in SENTENCE_KEYS:
         if first in train.column_names and (second is None or second in train.column_names):
@@ -247,7 +272,9 @@ def label_scheme(train, column: str, source: str):
         raise cli.UsageError(f"{source}: column {column!r} must hold class names, class ids or floats, got {bad!r}")
     names = sorted({str(v) for v in values}, key=lambda s: (len(s), s) if s.lstrip("-").isdigit() else (0, s))
     if len(names) < 2:
-        raise cli.UsageError(f"{source}: column {column!r} has a single class {names}; classification needs two or more")
+        raise cli.UsageError(
+            f"{source}: column {column!r} has a single class {names}; classification needs two or more"
+        )
     return False, names
 
 
@@ -268,7 +295,9 @@ def load_model(model_args, model_class, **config_kwargs):
     directory, then loaded like ours so that the new head gets `config_kwargs`)."""
     source = model_args.model_name_or_path
     if not source:
-        raise cli.UsageError("--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)")
+        raise cli.UsageError(
+            "--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)"
+        )
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as e:
@@ -281,7 +310,9 @@ def load_model(model_args, model_class, **config_kwargs):
         with tempfile.TemporaryDirectory() as tmp:
             from_hf_bert(source, model_class=hf_bert_impl.BertImplModel).save_pretrained(tmp)
             return model_class.from_pretrained(tmp, **config_kwargs)
-    raise cli.UsageError(f"--model_name_or_path {source}: model_type {config.model_type!r} is neither 'bert_impl' nor 'bert'")
+    raise cli.UsageError(
+        f"--model_name_or_path {source}: model_type {config.model_type!r} is neither 'bert_impl' nor 'bert'"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -294,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
             "--early_stopping_patience needs --load_best_model_at_end with matching --eval_strategy / --save_strategy"
         )
 
+    cli.check_kernels_argument(model_args.kernels)
+    measured_before = kernels_bert_impl.measurement_seconds()  # measuring done earlier in this process is not ours
     resume = cli.resolve_resume_argument(training_args)
 
     set_seed(training_args.seed)
@@ -303,8 +336,10 @@ def main(argv: list[str] | None = None) -> dict:
     train_src = sources["train"]
     task = resolve_task(model_args, data_args, raw["train"])
     if data_args.pack_sequences and task != "token":
-        raise cli.UsageError("--pack_sequences needs token classification (--task_type token): a packed row holds several "
-                           "sequences, and a sequence-classification head reads one [CLS] per row")
+        raise cli.UsageError(
+            "--pack_sequences needs token classification (--task_type token): a packed row holds several "
+            "sequences, and a sequence-classification head reads one [CLS] per row"
+        )
 
     # Check every split's columns and labels before the model or tokenizer is touched.
     if task == "token":
@@ -318,7 +353,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         keys = sentence_keys(data_args, raw["train"], train_src)
         for split, ds in raw.items():
-            D.check_columns(ds, [k for k in keys if k] + ([data_args.label_column] if split == "train" else []), sources[split])
+            D.check_columns(
+                ds, [k for k in keys if k] + ([data_args.label_column] if split == "train" else []), sources[split]
+            )
         tags_col = None
     label_col = tags_col or data_args.label_column
     # Placeholder labels: the split keeps its rows for predictions and loses the label column, so that
@@ -326,11 +363,17 @@ def main(argv: list[str] | None = None) -> dict:
     unlabeled = {}
     for split in list(raw):
         if label_col in raw[split].column_names and placeholder_labels(
-                raw[split], label_col, task == "token", task != "token" and is_regression_column(raw["train"], label_col),
-                sources[split]):
+            raw[split],
+            label_col,
+            task == "token",
+            task != "token" and is_regression_column(raw["train"], label_col),
+            sources[split],
+        ):
             if split == "train":
-                raise cli.UsageError(f"{sources[split]}: every label in column {label_col!r} is a placeholder (-1 or None); "
-                                   "training needs labelled rows")
+                raise cli.UsageError(
+                    f"{sources[split]}: every label in column {label_col!r} is a placeholder (-1 or None); "
+                    "training needs labelled rows"
+                )
             raw[split] = raw[split].remove_columns(label_col)
             unlabeled[split] = "placeholder labels (-1 / None): predictions only, no metrics"
         elif label_col not in raw[split].column_names and split != "train":
@@ -341,35 +384,54 @@ def main(argv: list[str] | None = None) -> dict:
         is_regression, label_names = label_scheme(raw["train"], data_args.label_column, train_src)
     label2id = {name: i for i, name in enumerate(label_names)} if label_names else None
     for split, ds in raw.items():
-        if label2id is None or label_col not in ds.column_names or isinstance(ds.features[label_col], datasets.ClassLabel):
+        if (
+            label2id is None
+            or label_col not in ds.column_names
+            or isinstance(ds.features[label_col], datasets.ClassLabel)
+        ):
             continue
-        values = {str(t) for tags in ds[label_col] for t in tags} if task == "token" else {str(v) for v in ds[label_col]}
+        values = (
+            {str(t) for tags in ds[label_col] for t in tags} if task == "token" else {str(v) for v in ds[label_col]}
+        )
         unknown = sorted(values - set(label2id))
         if unknown:
-            raise cli.UsageError(f"{sources[split]}: labels {unknown[:5]} do not occur in the training data {label_names}")
+            raise cli.UsageError(
+                f"{sources[split]}: labels {unknown[:5]} do not occur in the training data {label_names}"
+            )
 
     if not model_args.model_name_or_path:
-        raise cli.UsageError("--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)")
+        raise cli.UsageError(
+            "--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)"
+        )
     tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     except (OSError, ValueError) as e:
         flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
-        raise cli.UsageError(f"{flag} {tokenizer_source}: no tokenizer could be loaded ({str(e).splitlines()[0]})") from e
+        raise cli.UsageError(
+            f"{flag} {tokenizer_source}: no tokenizer could be loaded ({str(e).splitlines()[0]})"
+        ) from e
     if data_args.max_train_samples is not None:
         raw["train"] = raw["train"].select(range(min(len(raw["train"]), data_args.max_train_samples)))
 
     if task == "token":
         model_class = BertImplForTokenClassification
-        config_kwargs = dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)), label2id=label2id)
+        config_kwargs = {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)),
+                         "label2id": label2id}
     else:
         model_class = BertImplForSequenceClassification
         config_kwargs = (
-            dict(num_labels=1, problem_type="regression") if is_regression
-            else dict(num_labels=len(label_names), id2label=dict(enumerate(label_names)), label2id=label2id,
-                      problem_type="single_label_classification")
+            {"num_labels": 1, "problem_type": "regression"}
+            if is_regression
+            else {
+                "num_labels": len(label_names),
+                "id2label": dict(enumerate(label_names)),
+                "label2id": label2id,
+                "problem_type": "single_label_classification",
+            }
         )
     model = load_model(model_args, model_class, **config_kwargs)
+    cli.apply_kernels(model, model_args.kernels, logger)  # the speed layer, from outside: config and saves unchanged
     if tokenizer is None or len(tokenizer) > model.config.vocab_size:
         raise cli.UsageError(
             f"the tokenizer has {len(tokenizer) if tokenizer else 0} tokens but the model's vocab_size is "
@@ -405,30 +467,48 @@ def main(argv: list[str] | None = None) -> dict:
     preprocess = preprocess_tokens if task == "token" else preprocess_sequence
     with training_args.main_process_first(desc="tokenizing"):
         encoded = {
-            split: ds.map(preprocess, batched=True, remove_columns=ds.column_names, desc=f"Tokenizing {split}",
-                          fn_kwargs={"names": class_label_names(ds, label_col)})
+            split: ds.map(
+                preprocess,
+                batched=True,
+                remove_columns=ds.column_names,
+                desc=f"Tokenizing {split}",
+                fn_kwargs={"names": class_label_names(ds, label_col)},
+            )
             for split, ds in raw.items()
         }
 
     metric_name = "local"
     metric = None
-    if data_args.metric == "auto" and data_args.dataset_name in ("glue", "nyu-mll/glue") and data_args.dataset_config_name \
-            and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+    if (
+        data_args.metric == "auto"
+        and data_args.dataset_name in ("glue", "nyu-mll/glue")
+        and data_args.dataset_config_name
+        and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false")
+    ):
         try:
             metric, metric_name = evaluate.load("glue", data_args.dataset_config_name), "glue"
         except Exception as e:  # no network or no such task: the shipped module computes the same numbers
-            logger.warning("evaluate.load('glue', %r) failed (%s); using the shipped metric module", data_args.dataset_config_name, e)
+            logger.warning(
+                "evaluate.load('glue', %r) failed (%s); using the shipped metric module",
+                data_args.dataset_config_name,
+                e,
+            )
     if metric is None:
-        metric = evaluate.load(METRIC_PATH, "token_classification" if task == "token" else
-                               "regression" if is_regression else "classification")
+        metric = evaluate.load(
+            METRIC_PATH,
+            "token_classification" if task == "token" else "regression" if is_regression else "classification",
+        )
 
     def compute_metrics(eval_pred):
         logits, labels = eval_pred.predictions, eval_pred.label_ids
         if task == "token":
             preds = logits.argmax(-1)
             keep = labels != D.IGNORE_INDEX
-            return metric.compute(predictions=[p[k].tolist() for p, k in zip(preds, keep)],
-                                  references=[l[k].tolist() for l, k in zip(labels, keep)], label_names=label_names)
+            return metric.compute(
+                predictions=[p[k].tolist() for p, k in zip(preds, keep)],
+                references=[l[k].tolist() for l, k in zip(labels, keep)],
+                label_names=label_names,
+            )
         preds = logits.reshape(-1) if is_regression else logits.argmax(-1)
         return metric.compute(predictions=preds.tolist(), references=labels.reshape(-1).tolist())
 
@@ -446,7 +526,11 @@ def main(argv: list[str] | None = None) -> dict:
     eval_splits = [k for k in validation_splits if k not in unlabeled]
     evaluation = encoded[eval_splits[0]] if eval_splits else None
     if evaluation is not None and eval_splits[0] != "validation":
-        logger.info("evaluating on %s (%s reported after training)", eval_splits[0], ", ".join(eval_splits[1:]) or "nothing else")
+        logger.info(
+            "evaluating on %s (%s reported after training)",
+            eval_splits[0],
+            ", ".join(eval_splits[1:]) or "nothing else",
+        )
     # Saved with the model: whoever loads the directory (AutoTokenizer, pipeline) truncates as training did.
     tokenizer.model_max_length = min(tokenizer.model_max_length, data_args.max_seq_length)
     trainer = Trainer(
@@ -460,8 +544,15 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks=callbacks,
     )
     if training_args.logging_steps == 500 and training_args.max_steps <= 0:
-        training_args.logging_steps = max(1, int(len(trainer.get_train_dataloader()) * training_args.num_train_epochs
-                                                 / training_args.gradient_accumulation_steps) // 50)
+        training_args.logging_steps = max(
+            1,
+            int(
+                len(trainer.get_train_dataloader())
+                * training_args.num_train_epochs
+                / training_args.gradient_accumulation_steps
+            )
+            // 50,
+        )
     train_result = trainer.train(resume_from_checkpoint=resume)
     cli.save_trained(trainer, train_result)
     final, other_metrics = {}, {}
@@ -485,12 +576,25 @@ def main(argv: list[str] | None = None) -> dict:
             trainer.log_metrics(split, output.metrics)
         if trainer.is_world_process_zero():
             path = Path(training_args.output_dir) / ("predictions.jsonl" if n == 0 else f"predictions_{split}.jsonl")
-            write_predictions(path, raw[split], output.predictions, task, is_regression,
-                              label_names, keys, tokenizer, data_args.max_seq_length, label_col)
+            write_predictions(
+                path,
+                raw[split],
+                output.predictions,
+                task,
+                is_regression,
+                label_names,
+                keys,
+                tokenizer,
+                data_args.max_seq_length,
+                label_col,
+            )
             predictions_files[split] = path.name
             logger.info("wrote %d predictions for the %s split to %s", len(raw[split]), split, path)
     predictions_file = Path(predictions_files[predict_splits[0]]) if predictions_files else None
     trainer.save_metrics("all", {**final, **other_metrics})
+    kernels = cli.kernel_facts(model, model_args.kernels, measured_before)
+    if trainer.is_world_process_zero():
+        cli.log_kernel_facts(kernels, logger)
 
     out = cli.finish_run(
         trainer,
@@ -506,7 +610,9 @@ def main(argv: list[str] | None = None) -> dict:
         },
         # The card's metrics are for one split (validation); test numbers are kept beside them.
         metrics={k: v for k, v in final.items() if k.startswith("eval_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
-        test_metrics={k: v for k, v in final.items() if k.startswith("test_") and not k.endswith(BOOKKEEPING_SUFFIXES)},
+        test_metrics={
+            k: v for k, v in final.items() if k.startswith("test_") and not k.endswith(BOOKKEEPING_SUFFIXES)
+        },
         other_split_metrics=other_metrics or None,
         unlabeled_splits=unlabeled or None,
         predictions_files=predictions_files or None,
@@ -514,14 +620,16 @@ def main(argv: list[str] | None = None) -> dict:
         dataset_split=eval_splits[0] if evaluation is not None else None,
         labels=label_names,
         predictions_file=predictions_file.name if predictions_file else None,
+        kernels=kernels,
     )
     if out:
         logger.info("saved the model, tokenizer, predictions, loss curve and model card to %s", out)
     return final
 
 
-def write_predictions(path, raw_split, predictions, task, is_regression, label_names, keys, tokenizer, max_length,
-                      label_column):
+def write_predictions(
+    path, raw_split, predictions, task, is_regression, label_names, keys, tokenizer, max_length, label_column
+):
     """One JSON object per input row: its index, its text, the gold label when the split has one, and
     the prediction (a label name, a float for regression, or one tag per word for token
     classification; words cut off by truncation get null)."""
@@ -532,11 +640,19 @@ def write_predictions(path, raw_split, predictions, task, is_regression, label_n
                 row[keys[1]] = raw_split[i][keys[1]]
             if label_column in raw_split.column_names:
                 gold = raw_split[i][label_column]
-                names = getattr(getattr(raw_split.features[label_column], "feature", raw_split.features[label_column]), "names", None)
-                row["label"] = [names[t] for t in gold] if names and task == "token" else names[gold] if names else gold
+                names = getattr(
+                    getattr(raw_split.features[label_column], "feature", raw_split.features[label_column]),
+                    "names",
+                    None,
+                )
+                row["label"] = (
+                    [names[t] for t in gold] if names and task == "token" else names[gold] if names else gold
+                )
             if task == "token":
                 words = raw_split[i][keys[0]]
-                word_ids = tokenizer(words, is_split_into_words=True, truncation=True, max_length=max_length).word_ids()
+                word_ids = tokenizer(
+                    words, is_split_into_words=True, truncation=True, max_length=max_length
+                ).word_ids()
                 ids = np.asarray(predictions[i]).argmax(-1)
                 tags = [None] * len(words)
                 for pos, w in enumerate(word_ids):

@@ -14,7 +14,8 @@ Copy-paste commands:
 `--only tests`, `--only benchmark` or `--only fsdp` reruns one part (the JSON then holds that part only).
 
 The FSDP part (CUDA only): scripts/pretrain_mlm.py for 20 steps under `accelerate launch --num_processes 1
---use_fsdp --fsdp_version 2` (the encoder layers as the wrap unit, bf16), then the saved model is reloaded. The
+--use_fsdp --fsdp_version 2` (the encoder layers as the wrap unit, bf16), then the saved model is reloaded on the GPU,
+kernelized (`hf_bert_impl.kernelize`, as the scripts run it) and run on a padded batch. The
 dry run records the command and skips it: accelerate 1.15 applies FSDP only on accelerators and on a CPU
 silently trains with DDP instead, which would prove nothing (tests/test_fsdp.py shards on the CPU directly).
 
@@ -40,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The targets of the GPU proof (H200, bf16, bert-base): ours / transformers' sdpa, median of the
 # interleaved pairs; mixed is real tokens/s (the same ratio as padded, both models see one batch);
-# mlm_dense is the MLM step with the default config (sparse prediction off): never slower.
+# mlm_dense is the MLM step with full logits (ours kernelized without sparse prediction): never slower.
 GPU_TARGETS = {"fixed": 1.1, "mixed": 2.0, "mlm": 1.3, "mlm_dense": 1.0}
 MFU_TARGET = ("fixed", 512, 0.50)  # ours, fixed length, sequence 512
 # Per device: benchmark sizes and time limits (seconds). The CPU dry run keeps the same steps, small.
@@ -183,10 +184,12 @@ def run_fsdp(device: str, timeout: int, work: Path) -> dict:
     state = out / "trainer_state.json"
     if rc == 0 and state.is_file():
         result["losses"] = [h["loss"] for h in json.loads(state.read_text())["log_history"] if "loss" in h]
-        check = subprocess.run([sys.executable, "-c", (
+        check = subprocess.run([sys.executable, "-c", (  # the saved model on the GPU, kernelized as the scripts run it
             "import sys, hf_bert_impl, torch; from transformers import AutoModelForMaskedLM;"
-            "m = AutoModelForMaskedLM.from_pretrained(sys.argv[1]); ids = torch.randint(5, 100, (2, 16));"
-            "out = m(input_ids=ids).logits; assert torch.isfinite(out).all(), 'non-finite logits'; print(type(m).__name__)"),
+            "m = hf_bert_impl.kernelize(AutoModelForMaskedLM.from_pretrained(sys.argv[1]).to('cuda').eval());"
+            "ids = torch.randint(5, 100, (2, 16), device='cuda'); mask = torch.ones_like(ids); mask[1, 10:] = 0;"
+            "out = m(input_ids=ids, attention_mask=mask).logits;"
+            "assert torch.isfinite(out).all(), 'non-finite logits'; print(type(m).__name__)"),
             str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
         result["reload"] = check.stdout.strip() if check.returncode == 0 else "failed: " + check.stderr[-1000:]
     return result

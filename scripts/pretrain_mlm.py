@@ -32,14 +32,20 @@ Copy-paste commands (offline; with no data option the embedded corpus is used, s
     # data-parallel over N processes (GPUs; on a CPU-only machine N gloo processes), FSDP, resume
     accelerate launch --multi_gpu --num_processes 2 scripts/pretrain_mlm.py --output_dir out/ddp --max_steps 600
     accelerate launch --use_fsdp --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \
-        --fsdp_transformer_layer_cls_to_wrap BertImplLayer --num_processes 2 scripts/pretrain_mlm.py --output_dir out/fsdp
+        --fsdp_transformer_layer_cls_to_wrap BertImplLayer --num_processes 2 scripts/pretrain_mlm.py \
+        --output_dir out/fsdp
     # (FSDP needs GPUs: on a CPU-only machine accelerate trains with DDP instead; docs/training.md "Scaling out")
     python scripts/pretrain_mlm.py --output_dir out/mlm-tiny --max_steps 600 --resume_from_checkpoint true
 
+    # the plain model, without the speed layer (or force kernels: --kernels onednn_linear,bits_dropout)
+    python scripts/pretrain_mlm.py --output_dir out/plain --max_steps 600 --kernels reference
+
 Every `TrainingArguments` option works (--bf16, --gradient_checkpointing, --torch_compile, --save_steps,
---eval_strategy ...). The output directory is in Hub format: model.safetensors, config.json with
-auto_map, the code files, the tokenizer, training_facts.json, loss_curve.png and README.md
-(the model card).
+--eval_strategy ...). The model trains with the package's speed layer (`hf_bert_impl.kernelize(model, --kernels,
+sparse_prediction=--sparse_prediction)`); the kernels it chose are logged at the end and recorded under "kernels" in
+training_facts.json. The output directory is in Hub format and holds the plain model: model.safetensors, config.json
+with auto_map, the code files, the tokenizer, training_facts.json, loss_curve.png and README.md (the model card); each
+file of the final save is written complete under a temporary name, then moved into place.
 """
 
 from __future__ import annotations
@@ -53,10 +59,17 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
-from hf_bert_impl import SIZE_PRESETS, BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining
-from hf_bert_impl import cli
+from hf_bert_impl import (
+    SIZE_PRESETS,
+    BertImplConfig,
+    BertImplForMaskedLM,
+    BertImplForPreTraining,
+    cli,
+    kernels_bert_impl,
+)
 from hf_bert_impl import data as D
 from hf_bert_impl.budget import UNBOUNDED_MAX_STEPS, TimeBudget, remove_step_progress_bar
+
 
 logger = logging.getLogger("pretrain_mlm")
 
@@ -65,28 +78,48 @@ logger = logging.getLogger("pretrain_mlm")
 class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Start from this checkpoint: ours (model_type bert_impl) or a transformers BERT (converted on the fly)."},
+        metadata={
+            "help": "Start from this checkpoint: ours (model_type bert_impl) or a transformers BERT (converted on "
+            "the fly)."
+        },
     )
-    config_name: str | None = field(default=None, metadata={"help": "A BertImplConfig (directory or config.json) to train from scratch."})
-    model_size: str = field(default="tiny", metadata={"help": f"Size preset when training from scratch: {', '.join(SIZE_PRESETS)}."})
+    config_name: str | None = field(
+        default=None, metadata={"help": "A BertImplConfig (directory or config.json) to train from scratch."}
+    )
+    model_size: str = field(
+        default="tiny", metadata={"help": f"Size preset when training from scratch: {', '.join(SIZE_PRESETS)}."}
+    )
     config_overrides: str | None = field(
         default=None,
         metadata={"help": "Config fields to override, e.g. 'hidden_dropout_prob=0,position_embedding_type=learned'."},
     )
     tokenizer_name: str | None = field(
-        default=None, metadata={"help": "A fast BERT tokenizer (name or path). Default: the model's, else a WordPiece trained on the corpus."}
+        default=None,
+        metadata={
+            "help": "A fast BERT tokenizer (name or path). Default: the model's, else a WordPiece trained on the "
+            "corpus."
+        },
     )
-    tokenizer_vocab_size: int = field(default=8000, metadata={"help": "Vocabulary size of the WordPiece tokenizer trained when none is given."})
+    tokenizer_vocab_size: int = field(
+        default=8000, metadata={"help": "Vocabulary size of the WordPiece tokenizer trained when none is given."}
+    )
     tokenizer_train_samples: int = field(
         default=100_000,
-        metadata={"help": "With --streaming: the WordPiece tokenizer (when none is given) is trained on this many "
-                          "first texts of the stream."},
+        metadata={
+            "help": "With --streaming: the WordPiece tokenizer (when none is given) is trained on this many "
+            "first texts of the stream."
+        },
     )
     sparse_prediction: bool = field(
         default=True,
-        metadata={"help": "While training, run the MLM decoder only on masked positions (same loss, less work). "
-                          "The saved model returns full (batch, seq, vocab) logits as usual."},
+        metadata={
+            "help": "Run the MLM decoder only on masked positions when labels are given (same loss, less work; "
+            "hf_bert_impl.kernelize(..., sparse_prediction=True); not with --kernels reference, the "
+            "plain model). The saved model is the plain one: it returns full (batch, seq, vocab) "
+            "logits as usual."
+        },
     )
+    kernels: str = field(default="auto", metadata={"help": cli.KERNELS_HELP})
 
 
 @dataclass
@@ -100,25 +133,35 @@ class DataArguments:
         default=5, metadata={"help": "Percent of the training data held out when no validation split exists."}
     )
     max_seq_length: int = field(default=128, metadata={"help": "Block length in tokens, [CLS] and [SEP] included."})
-    mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked (80%% [MASK], 10%% random, 10%% kept)."})
+    mlm_probability: float = field(
+        default=0.15, metadata={"help": "Fraction of tokens masked (80%% [MASK], 10%% random, 10%% kept)."}
+    )
     whole_word_mask: bool = field(default=False, metadata={"help": "Mask whole words instead of single WordPieces."})
     static_masking: bool = field(
         default=False,
-        metadata={"help": "Mask the training data once (seeded) instead of per batch, as the original BERT pipeline did."},
+        metadata={
+            "help": "Mask the training data once (seeded) instead of per batch, as the original BERT pipeline did."
+        },
     )
-    nsp: bool = field(default=False, metadata={"help": "Train BertImplForPreTraining: MLM + next-sentence prediction."})
+    nsp: bool = field(
+        default=False, metadata={"help": "Train BertImplForPreTraining: MLM + next-sentence prediction."}
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many evaluation examples."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for datasets.map."})
     streaming: bool = field(
         default=False,
-        metadata={"help": "Stream --train_file (or --dataset_name) instead of loading it: for corpora larger than memory. "
-                          "Needs --max_steps; evaluation uses --validation_file."},
+        metadata={
+            "help": "Stream --train_file (or --dataset_name) instead of loading it: for corpora larger than memory. "
+            "Needs --max_steps; evaluation uses --validation_file."
+        },
     )
     pack_sequences: bool = field(
         default=False,
-        metadata={"help": "One sequence per text (long texts cut into pieces) instead of fixed blocks that run across "
-                          "texts; each batch is packed into one row without padding (DataCollatorWithFlattening)."},
+        metadata={
+            "help": "One sequence per text (long texts cut into pieces) instead of fixed blocks that run across "
+            "texts; each batch is packed into one row without padding (DataCollatorWithFlattening)."
+        },
     )
 
 
@@ -126,10 +169,13 @@ class DataArguments:
 class BudgetArguments:
     time_budget: float | None = field(
         default=None,
-        metadata={"help": "Train for this many minutes of training time (evaluation and saving not counted) instead of a "
-                          "step count: the learning-rate schedule (--lr_scheduler_type; --warmup_steps in steps, or below 1 a "
-                          "share of the time) is laid over the time, and the run stops at the first step past it and saves as usual. "
-                          "--max_steps, when given too, still caps the steps."},
+        metadata={
+            "help": "Train for this many minutes of training time (evaluation and saving not counted) instead of a "
+            "step count: the learning-rate schedule (--lr_scheduler_type; --warmup_steps in steps, or below 1 a "
+            "share of the time) is laid over the time, and the run stops at the first step past it and saves as "
+            "usual. "
+            "--max_steps, when given too, still caps the steps."
+        },
     )
     eval_every_minutes: float | None = field(
         default=None,
@@ -161,21 +207,31 @@ def load_raw_data(data_args: DataArguments, seed: int):
     With --streaming "train" is an IterableDataset, read lazily."""
     if data_args.dataset_name and (data_args.train_file or data_args.validation_file):
         raise cli.UsageError(
-            f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file are exclusive: give one data source"
+            f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file are exclusive: "
+            "give one data source"
         )
     if data_args.streaming:
         import datasets
 
         if data_args.dataset_name:
-            train = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name, split="train", streaming=True)
+            train = datasets.load_dataset(
+                data_args.dataset_name, data_args.dataset_config_name, split="train", streaming=True
+            )
             source = data_args.dataset_name
         elif data_args.train_file:
             train = D.stream_data_file(data_args.train_file)
             source = Path(data_args.train_file).name
         else:
-            raise cli.UsageError("--streaming needs --train_file (or --dataset_name): the embedded corpus is loaded whole")
-        raw = {"train": train.filter(lambda row: isinstance(row.get(data_args.text_column), str)
-                                     and bool(row[data_args.text_column].strip()))}
+            raise cli.UsageError(
+                "--streaming needs --train_file (or --dataset_name): the embedded corpus is loaded whole"
+            )
+        raw = {
+            "train": train.filter(
+                lambda row: (
+                    isinstance(row.get(data_args.text_column), str) and bool(row[data_args.text_column].strip())
+                )
+            )
+        }
         if data_args.validation_file:
             validation = D.load_data_files(validation_file=data_args.validation_file)["validation"]
             D.check_columns(validation, [data_args.text_column], f"--validation_file {data_args.validation_file}")
@@ -206,21 +262,30 @@ def load_raw_data(data_args: DataArguments, seed: int):
             continue
         texts = [t for t in raw[split][data_args.text_column] if isinstance(t, str) and t.strip()]
         if not texts:
-            raise cli.UsageError(f"--train_file {data_args.train_file}: column {data_args.text_column!r} holds no text")
+            raise cli.UsageError(
+                f"--train_file {data_args.train_file}: column {data_args.text_column!r} holds no text"
+            )
     if "validation" not in raw and data_args.validation_split_percentage > 0 and len(raw["train"]) >= 20:
         parts = raw["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=seed)
         raw["train"], raw["validation"] = parts["train"], parts["test"]
     return raw, source
 
 
-def load_tokenizer(model_args: ModelArguments, raw, text_column: str, resume_dir: str | None, training_args=None,
-                   streaming: bool = False):
+def load_tokenizer(
+    model_args: ModelArguments,
+    raw,
+    text_column: str,
+    resume_dir: str | None,
+    training_args=None,
+    streaming: bool = False,
+):
     if model_args.tokenizer_name:
         try:
             return AutoTokenizer.from_pretrained(model_args.tokenizer_name)
         except (OSError, ValueError) as e:
             raise cli.UsageError(
-                f"--tokenizer_name {model_args.tokenizer_name}: no tokenizer could be loaded ({str(e).splitlines()[0]})"
+                f"--tokenizer_name {model_args.tokenizer_name}: no tokenizer could be loaded "
+                f"({str(e).splitlines()[0]})"
             ) from e
     for candidate in (resume_dir, model_args.model_name_or_path):
         if candidate and any((Path(candidate) / f).is_file() for f in ("tokenizer.json", "vocab.txt")):
@@ -233,11 +298,16 @@ def load_tokenizer(model_args: ModelArguments, raw, text_column: str, resume_dir
     with training_args.main_process_first(desc="training the WordPiece tokenizer", local=False):
         if training_args.process_index == 0 or not (out / "tokenizer.json").is_file():
             if streaming:
-                logger.info("training a WordPiece tokenizer (vocab %d) on the first %d texts of the stream",
-                            model_args.tokenizer_vocab_size, model_args.tokenizer_train_samples)
+                logger.info(
+                    "training a WordPiece tokenizer (vocab %d) on the first %d texts of the stream",
+                    model_args.tokenizer_vocab_size,
+                    model_args.tokenizer_train_samples,
+                )
                 texts = (row[text_column] for row in raw["train"].take(model_args.tokenizer_train_samples))
             else:
-                logger.info("training a WordPiece tokenizer (vocab %d) on the training texts", model_args.tokenizer_vocab_size)
+                logger.info(
+                    "training a WordPiece tokenizer (vocab %d) on the training texts", model_args.tokenizer_vocab_size
+                )
                 texts = raw["train"][text_column]  # a column, read as it is needed
             tokenizer = D.train_wordpiece_tokenizer(texts, vocab_size=model_args.tokenizer_vocab_size)
             if training_args.process_index == 0:
@@ -264,7 +334,8 @@ def build_model(model_args: ModelArguments, tokenizer, nsp: bool):
                     setattr(model.config, key, value)
             else:
                 raise cli.UsageError(
-                    f"--model_name_or_path {source}: model_type {config.model_type!r} is neither 'bert_impl' nor 'bert'"
+                    f"--model_name_or_path {source}: model_type {config.model_type!r} is neither 'bert_impl' "
+                    "nor 'bert'"
                 )
         else:
             if model_args.config_name:
@@ -336,6 +407,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0.0 < data_args.mlm_probability < 1.0:
         raise cli.UsageError(f"--mlm_probability must lie in (0, 1), got {data_args.mlm_probability}")
 
+    cli.check_kernels_argument(model_args.kernels)
+    measured_before = kernels_bert_impl.measurement_seconds()  # measuring done earlier in this process is not ours
+
     resume = cli.resolve_resume_argument(training_args)
     budget = None
     if budget_args.eval_every_minutes is not None and budget_args.time_budget is None:
@@ -353,44 +427,72 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(training_args.seed)
     raw, dataset_source = load_raw_data(data_args, training_args.seed)
     if data_args.streaming and training_args.max_steps <= 0:
-        raise cli.UsageError("--streaming needs --max_steps or --time_budget: a stream has no length to count epochs in")
+        raise cli.UsageError(
+            "--streaming needs --max_steps or --time_budget: a stream has no length to count epochs in"
+        )
     if data_args.pack_sequences and data_args.nsp:
-        raise cli.UsageError("--pack_sequences packs MLM sequences; next-sentence prediction (--nsp) reads one pair per row")
+        raise cli.UsageError(
+            "--pack_sequences packs MLM sequences; next-sentence prediction (--nsp) reads one pair per row"
+        )
     if data_args.pack_sequences and data_args.whole_word_mask:
-        raise cli.UsageError("--pack_sequences cannot be combined with --whole_word_mask (packed rows carry no word offsets)")
+        raise cli.UsageError(
+            "--pack_sequences cannot be combined with --whole_word_mask (packed rows carry no word offsets)"
+        )
     if data_args.pack_sequences and data_args.static_masking:
         raise cli.UsageError("--pack_sequences masks per batch; it cannot be combined with --static_masking")
     if data_args.streaming and (data_args.nsp or data_args.static_masking):
         raise cli.UsageError("--streaming supports MLM with per-batch masking only (not --nsp or --static_masking)")
     if model_args.tokenizer_train_samples <= 0:
-        raise cli.UsageError(f"--tokenizer_train_samples must be a positive integer, got {model_args.tokenizer_train_samples}")
+        raise cli.UsageError(
+            f"--tokenizer_train_samples must be a positive integer, got {model_args.tokenizer_train_samples}"
+        )
     tokenizer = load_tokenizer(model_args, raw, data_args.text_column, resume, training_args, data_args.streaming)
 
     with training_args.main_process_first(desc="tokenizing"):
         if data_args.nsp:
-            splits = {k: D.nsp_examples(v, tokenizer, data_args.max_seq_length, training_args.seed, data_args.text_column)
-                      for k, v in raw.items()}
+            splits = {
+                k: D.nsp_examples(v, tokenizer, data_args.max_seq_length, training_args.seed, data_args.text_column)
+                for k, v in raw.items()
+            }
         elif data_args.pack_sequences:
-            splits = {k: D.tokenize_documents(v, tokenizer, data_args.max_seq_length, data_args.text_column,
-                                              data_args.preprocessing_num_workers, desc=k)
-                      for k, v in raw.items()}
+            splits = {
+                k: D.tokenize_documents(
+                    v,
+                    tokenizer,
+                    data_args.max_seq_length,
+                    data_args.text_column,
+                    data_args.preprocessing_num_workers,
+                    desc=k,
+                )
+                for k, v in raw.items()
+            }
         else:
-            splits = {k: D.tokenize_and_group(v, tokenizer, data_args.max_seq_length, data_args.text_column,
-                                              data_args.preprocessing_num_workers, desc=k,
-                                              with_offsets=data_args.whole_word_mask)
-                      for k, v in raw.items()}
+            splits = {
+                k: D.tokenize_and_group(
+                    v,
+                    tokenizer,
+                    data_args.max_seq_length,
+                    data_args.text_column,
+                    data_args.preprocessing_num_workers,
+                    desc=k,
+                    with_offsets=data_args.whole_word_mask,
+                )
+                for k, v in raw.items()
+            }
     train = splits["train"]
     if data_args.streaming:
         if next(iter(train.take(1)), None) is None:
             raise cli.UsageError(
-                f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} tokens; "
+                f"{dataset_source}: the training text gives no block of --max_seq_length "
+                f"{data_args.max_seq_length} tokens; "
                 "add text or lower --max_seq_length"
             )
         if data_args.max_train_samples is not None:
             train = train.take(data_args.max_train_samples)
     elif len(train) == 0:
         raise cli.UsageError(
-            f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} tokens; "
+            f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} "
+            "tokens; "
             "add text or lower --max_seq_length"
         )
     if data_args.max_train_samples is not None and not data_args.streaming:
@@ -402,16 +504,26 @@ def main(argv: list[str] | None = None) -> dict:
         evaluation = evaluation.select(range(min(len(evaluation), data_args.max_eval_samples)))
     # Evaluation masks are drawn once (seeded) so every evaluation of a run scores the same positions.
     if evaluation is not None:
-        evaluation = D.mask_once(evaluation, tokenizer, training_args.seed + 1, data_args.mlm_probability,
-                                 data_args.whole_word_mask)
+        evaluation = D.mask_once(
+            evaluation, tokenizer, training_args.seed + 1, data_args.mlm_probability, data_args.whole_word_mask
+        )
     if data_args.static_masking:
         train = D.mask_once(train, tokenizer, training_args.seed, data_args.mlm_probability, data_args.whole_word_mask)
 
     if budget_args.eval_every_minutes is not None and evaluation is None:
-        raise cli.UsageError("--eval_every_minutes needs validation data (--validation_file, or a split of the training data)")
+        raise cli.UsageError(
+            "--eval_every_minutes needs validation data (--validation_file, or a split of the training data)"
+        )
     model = build_model(model_args, tokenizer, data_args.nsp)
-    logger.info("model: %s, %.2fM parameters, %s training examples of %d tokens", type(model).__name__,
-                model.num_parameters() / 1e6, "streamed" if data_args.streaming else len(train), data_args.max_seq_length)
+    # The speed layer, from outside: the config and every save (checkpoint-N included) stay the plain model's.
+    cli.apply_kernels(model, model_args.kernels, logger, sparse_prediction=model_args.sparse_prediction)
+    logger.info(
+        "model: %s, %.2fM parameters, %s training examples of %d tokens",
+        type(model).__name__,
+        model.num_parameters() / 1e6,
+        "streamed" if data_args.streaming else len(train),
+        data_args.max_seq_length,
+    )
     cli.default_logging_steps(training_args)
     # The collator needs special_tokens_mask / offset_mapping, which Trainer would drop as columns
     # the model's forward does not take; every column of these datasets is meant for the collator or model.
@@ -419,9 +531,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Masks drawn per batch from (seed, batch number) over the global batch: resumed and multi-process
     # runs mask as one uninterrupted process does.
-    collator = D.MLMCollator(tokenizer, data_args.mlm_probability, data_args.whole_word_mask,
-                             seed=training_args.seed, rank=training_args.process_index,
-                             world_size=training_args.world_size, max_length=data_args.max_seq_length)
+    collator = D.MLMCollator(
+        tokenizer,
+        data_args.mlm_probability,
+        data_args.whole_word_mask,
+        seed=training_args.seed,
+        rank=training_args.process_index,
+        world_size=training_args.world_size,
+        max_length=data_args.max_seq_length,
+    )
     if data_args.pack_sequences:
         collator = D.PackedMLMCollator(collator)
     trainer = Trainer(
@@ -437,20 +555,23 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if budget is not None:
         remove_step_progress_bar(trainer)  # its total is max_steps; the budget's bar counts seconds
-    # The decoder runs on masked positions only while training; save_pretrained writes the flag as False
-    # (checkpoint-N included), so every saved model returns full logits.
-    model.config.sparse_prediction = model_args.sparse_prediction
     train_result = trainer.train(resume_from_checkpoint=resume)
-    model.config.sparse_prediction = False
     metrics = cli.save_trained(trainer, train_result)
     eval_metrics = {}
     if evaluation is not None:
         eval_metrics = trainer.evaluate()
-        eval_metrics["perplexity"] = math.exp(eval_metrics["eval_loss"]) if eval_metrics["eval_loss"] < 700 else float("inf")
-        if not data_args.streaming:  # the baseline: a model that ignores context (token frequencies of the training data)
+        eval_metrics["perplexity"] = (
+            math.exp(eval_metrics["eval_loss"]) if eval_metrics["eval_loss"] < 700 else float("inf")
+        )
+        if (
+            not data_args.streaming
+        ):  # the baseline: a model that ignores context (token frequencies of the training data)
             eval_metrics["unigram_perplexity"] = math.exp(D.unigram_loss(train, evaluation, len(tokenizer)))
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
+    kernels = cli.kernel_facts(model, model_args.kernels, measured_before)
+    if trainer.is_world_process_zero():
+        cli.log_kernel_facts(kernels, logger)
 
     out = cli.finish_run(
         trainer,
@@ -470,11 +591,17 @@ def main(argv: list[str] | None = None) -> dict:
             "time_budget_minutes": budget_args.time_budget,
             **({"max_steps": trainer.state.global_step} if budget else {}),  # the steps the budget allowed
         },
-        metrics={**{k: v for k, v in eval_metrics.items() if k in ("eval_loss", "eval_masked_accuracy", "eval_nsp_accuracy", "perplexity",
-                                                                "unigram_perplexity")},
-                 "train_loss": metrics.get("train_loss"),
-                 **({"training_seconds": round(budget.elapsed(), 1)} if budget else {})},
+        metrics={
+            **{
+                k: v
+                for k, v in eval_metrics.items()
+                if k in ("eval_loss", "eval_masked_accuracy", "eval_nsp_accuracy", "perplexity", "unigram_perplexity")
+            },
+            "train_loss": metrics.get("train_loss"),
+            **({"training_seconds": round(budget.elapsed(), 1)} if budget else {}),
+        },
         dataset_split="validation" if evaluation is not None else None,
+        kernels=kernels,
     )
     if out:
         logger.info("saved the model, tokenizer, loss curve and model card to %s", out)

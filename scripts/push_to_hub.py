@@ -11,9 +11,10 @@
     # anyone, without this package installed:
     #   AutoModelForMaskedLM.from_pretrained("alice/bert-impl-mlm", trust_remote_code=True)
 
-Uploads model.safetensors, config.json (auto_map for every head), configuration_bert_impl.py,
-modeling_bert_impl.py, kernels_bert_impl.py, checkpoint_bert_impl.py, the tokenizer files, the loss-curve image and README.md (the model card,
-from model_cards/model_card.md and the directory's training_facts.json). Every check (repo id,
+Uploads model.safetensors, config.json (auto_map for every head), configuration_bert_impl.py and
+modeling_bert_impl.py (the plain model: the package's speed layer never travels), the tokenizer files,
+the loss-curve image and README.md (the model card, from model_cards/model_card.md and the
+directory's training_facts.json). Every check (repo id,
 files, safetensors, login) runs before anything is built or sent; a failed check prints one line
 and exits with status 2 (status 1: the Hub itself refused the upload).
 """
@@ -29,10 +30,13 @@ class PushArguments:
     model_dir: str = field(metadata={"help": "a directory written by save_pretrained (+ tokenizer.save_pretrained)"})
     repo_id: str = field(metadata={"help": "the Hub repository, OWNER/NAME"})
     private: bool = field(default=False, metadata={"help": "create the repository as private"})
-    revision: str | None = field(default=None, metadata={"help": "branch to push to (created if missing); default main"})
+    revision: str | None = field(
+        default=None, metadata={"help": "branch to push to (created if missing); default main"}
+    )
     commit_message: str | None = field(default=None, metadata={"help": "the commit message"})
     dry_run: str | None = field(
-        default=None, metadata={"help": "write the folder that would be uploaded to this (new or empty) path; upload nothing"}
+        default=None,
+        metadata={"help": "write the folder that would be uploaded to this (new or empty) path; upload nothing"},
     )
 
 

@@ -1,13 +1,15 @@
 """The worker of tests/test_fsdp.py: run by `torchrun --nproc_per_node 2` (gloo, CPU), it trains a small
 BertImplForMaskedLM sharded with FSDP2 (`fully_shard` on each BertImplLayer, then the root) and, on rank 0,
 the same steps unsharded in one process on the same global batch; it writes what it measured to
-OUT/results.json, and tests/test_fsdp.py asserts on it. Scenarios (3 AdamW steps each):
+OUT/results.json, and tests/test_fsdp.py asserts on it. Every model of a scenario (the sharded one, the one-process
+one, the resumed one) is built the same way: the plain model, then `hf_bert_impl.kernelize(model, ...)` with the
+scenario's kernels (as the package's scripts do, before Trainer / accelerate shard it). Scenarios (3 AdamW steps each):
 
-  default              the default config (kernels "auto"): per-step losses, first-step gradients and gathered weights
+  default              kernelize(model) (kernels "auto"): per-step losses, first-step gradients and gathered weights
                        vs one process; the full state dict gathered on rank 0 -> save_pretrained -> from_pretrained ->
                        the same outputs; a sharded checkpoint (torch.distributed.checkpoint, model + optimizer) after
                        step 2, loaded into a fresh sharded model, resumed -> the uninterrupted run's weights
-  reference            kernels "reference": the model file alone (the padded batch, masked)
+  plain                never kernelized: the model file alone (the padded batch, masked), as a Hub user runs it
   unpadded_sparse      forced unpadding, per-sequence attention, skipped decoder rows, sparse_prediction; as default
   bf16                 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) vs the float32 one-process run
   accelerate_grouping  the tied word embeddings + decoder in one group, as accelerate 1.15's FSDP2 groups them
@@ -24,11 +26,17 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
+from hf_bert_impl import BertImplConfig, BertImplForMaskedLM, kernelize, kernelized
+
 
 VOCAB, GLOBAL_BATCH, SEQ, STEPS, CHECKPOINT_STEP, LR = 99, 8, 9, 3, 2, 3e-3
 
@@ -44,7 +52,8 @@ def global_batches(steps: int):
         ids = torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) * mask
         pick = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.35) & mask.bool()
         pick[:, 1] = True  # every row has a label
-        labels = torch.where(pick, torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQ), generator=g), torch.full_like(ids, -100))
+        words = torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+        labels = torch.where(pick, words, torch.full_like(ids, -100))
         out.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
     return out
 
@@ -55,15 +64,24 @@ def make_config(**overrides) -> BertImplConfig:
     return BertImplConfig.from_preset("debug", **kw)
 
 
+def build(config: BertImplConfig, state: dict | None, kernels: dict | None) -> BertImplForMaskedLM:
+    """The plain model with `state` loaded, kernelized with `kernels` (kernelize's keyword arguments; None: plain)."""
+    model = BertImplForMaskedLM(config)
+    if state is not None:
+        model.load_state_dict(state)
+    return model if kernels is None else kernelize(model, **kernels)
+
+
 def local(batch: dict, rank: int, world: int) -> dict:  # this rank's rows of the global batch
     n = GLOBAL_BATCH // world
     return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
 
 
-def shard(model: BertImplForMaskedLM, mp: MixedPrecisionPolicy | None = None, grouping: str = "layers") -> BertImplForMaskedLM:
-    """fully_shard each BertImplLayer, then the root. grouping="accelerate": as accelerate 1.15's FSDP2 preparation with
-    transformer_layer_cls_to_wrap=["BertImplLayer"]: the layers, then the tied pair (word embeddings, decoder) as one
-    group kept unsharded after forward, then the root."""
+def shard(model: BertImplForMaskedLM, mp: MixedPrecisionPolicy | None = None,
+          grouping: str = "layers") -> BertImplForMaskedLM:
+    """fully_shard each BertImplLayer, then the root. grouping="accelerate": as accelerate 1.15's FSDP2 preparation
+    with transformer_layer_cls_to_wrap=["BertImplLayer"]: the layers, then the tied pair (word embeddings, decoder) as
+    one group kept unsharded after forward, then the root."""
     kw = {} if mp is None else {"mp_policy": mp}
     for layer in model.bert.layers:
         fully_shard(layer, **kw)
@@ -88,7 +106,8 @@ def embeddings_apart_error(config) -> str:
 
 def full_weights(model) -> dict:
     """The whole model's weights as plain CPU tensors, gathered on every rank (a sharded model) or as they are."""
-    if dist.is_initialized() and any(type(p) is not torch.nn.Parameter and hasattr(p, "full_tensor") for p in model.parameters()):
+    sharded = any(type(p) is not torch.nn.Parameter and hasattr(p, "full_tensor") for p in model.parameters())
+    if dist.is_initialized() and sharded:
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
         return {k: v.detach().float().clone() for k, v in sd.items()}
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
@@ -100,9 +119,9 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def sharded_step(model, optim, batch, rank, world, seen=None) -> float:
-    """One AdamW step of a sharded model on this rank's half of `batch`. The loss is that of the global batch (the ranks'
-    masked-token sums over the global count, as Trainer's num_items_in_batch); FSDP averages gradients over the ranks,
-    hence the x world. `seen` (a dict) gets the logits' shape and the full gradients (gathered) of this step."""
+    """One AdamW step of a sharded model on this rank's half of `batch`. The loss is that of the global batch (the
+    ranks' masked-token sums over the global count, as Trainer's num_items_in_batch); FSDP averages gradients over the
+    ranks, hence the x world. `seen` (a dict) gets the logits' shape and the full gradients (gathered) of this step."""
     n_items = batch["labels"].ne(-100).sum()
     out = model(**local(batch, rank, world), num_items_in_batch=n_items)
     (out.loss * world).backward()
@@ -131,28 +150,28 @@ def relative(a: dict, b: dict) -> float:  # max |a - b| over all tensors, relati
     return max_diff(a, b) / max(float(v.abs().max()) for v in b.values())
 
 
-def scenario(name, config, init_state, batches, rank, world, out_dir, checkpoint=False, mp=None, grouping="layers") -> dict:
+def scenario(name, config, init_state, batches, rank, world, out_dir, kernels, checkpoint=False, mp=None,
+             grouping="layers") -> dict:
     t0, res = time.time(), {}
     if rank == 0:  # one process, unsharded, the global batches (rank 0 alone: it needs no communication)
-        ref = BertImplForMaskedLM(config)
-        ref.load_state_dict(init_state)
+        ref = build(config, init_state, kernels)
         opt, ref_seen = torch.optim.AdamW(ref.parameters(), lr=LR), {}
         res["single_losses"] = [single_step(ref, opt, b, ref_seen if i == 0 else None) for i, b in enumerate(batches)]
         ref_weights = full_weights(ref)
         res["single_moved"] = max_diff(ref_weights, {k: v.float() for k, v in init_state.items()})
         if mp is not None:  # the error scale of bf16 itself: the same weights cast to bf16, one process, first batch
-            plain = BertImplForMaskedLM(config)
-            plain.load_state_dict(init_state)
-            plain_seen = {}
-            res["plain_bf16_loss"] = single_step(plain.to(mp.param_dtype), None, batches[0], plain_seen)
-            res["plain_bf16_grad_error"] = relative(plain_seen["grads"], ref_seen["grads"])
+            cast, cast_seen = build(config, init_state, kernels), {}
+            res["plain_bf16_loss"] = single_step(cast.to(mp.param_dtype), None, batches[0], cast_seen)
+            res["plain_bf16_grad_error"] = relative(cast_seen["grads"], ref_seen["grads"])
     # FSDP2: 2 processes, each half of every global batch
-    model = BertImplForMaskedLM(config)
-    model.load_state_dict(init_state)
+    model = build(config, init_state, kernels)
+    res["kernelized"] = sorted(set(kernelized(model).values()))  # the kernel functions put on the model
     layer_inputs = []
-    model.bert.layers[0].register_forward_pre_hook(lambda m, args: layer_inputs.append([list(args[0].shape), str(args[0].dtype)]))
+    model.bert.layers[0].register_forward_pre_hook(
+        lambda m, args: layer_inputs.append([list(args[0].shape), str(args[0].dtype)]))
     shard(model, mp, grouping)
-    res["sharded"] = all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel() for p in model.parameters())
+    res["sharded"] = all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel()
+                         for p in model.parameters())
     res["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     opt, seen, losses = torch.optim.AdamW(model.parameters(), lr=LR), {}, []
     for step, b in enumerate(batches, 1):
@@ -165,7 +184,8 @@ def scenario(name, config, init_state, batches, rank, world, out_dir, checkpoint
     res.update(fsdp_losses=losses, logits_shape=seen["logits_shape"], layer0_input=layer_inputs[0],
                local_real_tokens=int(first["attention_mask"].sum()), local_labels=int(first["labels"].ne(-100).sum()),
                local_rows=len(first["labels"]), seq=SEQ, hidden=config.hidden_size, vocab=config.vocab_size,
-               optimizer_state_dtypes=sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim()}))
+               optimizer_state_dtypes=sorted({str(v.dtype) for s in opt.state.values() for v in s.values()
+                                              if v.dim()}))
     weights = full_weights(model)
     if rank == 0:
         res["grad_vs_single"] = relative(seen["grads"], ref_seen["grads"])
@@ -181,20 +201,23 @@ def scenario(name, config, init_state, batches, rank, world, out_dir, checkpoint
         with torch.no_grad():
             sharded_logits = model(**probe).logits.float()
         if rank == 0:
-            plain = BertImplForMaskedLM(config)
-            plain.load_state_dict(full, strict=True)
+            gathered = BertImplForMaskedLM(config)  # the plain model: kernelize saves exactly what it saves
+            gathered.load_state_dict(full, strict=True)
             path = os.path.join(out_dir, f"{name}_saved")
-            plain.save_pretrained(path)
+            gathered.save_pretrained(path)
             loaded = BertImplForMaskedLM.from_pretrained(path).eval()
             with torch.no_grad():
-                loaded_logits = loaded(**probe).logits
+                plain_logits = loaded(**probe).logits
+                loaded_logits = (loaded if kernels is None else kernelize(loaded, **kernels))(**probe).logits
                 ref_logits = ref.eval()(**probe).logits
             res["full_state_dict_keys"] = sorted(full)
             res["reloaded_vs_sharded_logits"] = float((loaded_logits - sharded_logits).abs().max())
             res["reloaded_vs_single_logits"] = float((loaded_logits - ref_logits).abs().max())
+            res["reloaded_plain_vs_sharded_logits"] = float((plain_logits - sharded_logits).abs().max())
+            res["sharded_logits_max"] = float(sharded_logits.abs().max())
             res["reloaded_vs_gathered_weights"] = max_diff(full_weights(loaded), weights)
         # resume: a fresh sharded model and optimizer load the step-2 checkpoint and run the remaining steps
-        fresh = shard(BertImplForMaskedLM(config))
+        fresh = shard(build(config, None, kernels))
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
         before_load = full_weights(fresh)
         state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
@@ -204,8 +227,10 @@ def scenario(name, config, init_state, batches, rank, world, out_dir, checkpoint
         loaded_weights = full_weights(fresh)
         res["resumed_losses"] = [sharded_step(fresh, fresh_opt, b, rank, world) for b in batches[CHECKPOINT_STEP:]]
         resumed = full_weights(fresh)
-        res.update(resumed_vs_uninterrupted=max_diff(resumed, weights), loaded_vs_checkpoint=max_diff(loaded_weights, at_checkpoint),
-                   fresh_vs_checkpoint=max_diff(before_load, at_checkpoint), resumed_moved=max_diff(resumed, at_checkpoint))
+        res.update(resumed_vs_uninterrupted=max_diff(resumed, weights),
+                   loaded_vs_checkpoint=max_diff(loaded_weights, at_checkpoint),
+                   fresh_vs_checkpoint=max_diff(before_load, at_checkpoint),
+                   resumed_moved=max_diff(resumed, at_checkpoint))
     res["seconds"] = round(time.time() - t0, 2)
     return res
 
@@ -217,18 +242,18 @@ def main(out_dir: str) -> None:
     torch.manual_seed(0)
     batches = global_batches(STEPS)
     results = {"world_size": world, "torch": torch.__version__}
-    for name, overrides, kw in [
-        ("default", {}, dict(checkpoint=True)),  # kernels "auto": on this batch it measures and picks unpadding
-        ("reference", dict(kernels="reference"), {}),  # the model file alone: the padded batch, masked
+    config = make_config()
+    torch.manual_seed(0)
+    init_state = {k: v.clone() for k, v in BertImplForMaskedLM(config).state_dict().items()}
+    for name, kernels, kw in [  # kernels: kernelize's keyword arguments (None: the plain model)
+        ("default", {}, dict(checkpoint=True)),  # kernels "auto": it unpads this padded batch
+        ("plain", None, {}),  # the model file alone: the padded batch, masked
         ("unpadded_sparse", dict(kernels="unpadded,per_sequence_attention,skip_zero_rows", sparse_prediction=True),
          dict(checkpoint=True)),
         ("bf16", {}, dict(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
         ("accelerate_grouping", dict(kernels="unpadded,grid_attention"), dict(grouping="accelerate")),
     ]:
-        config = make_config(**overrides)
-        torch.manual_seed(0)
-        init_state = {k: v.clone() for k, v in BertImplForMaskedLM(config).state_dict().items()}
-        results[name] = scenario(name, config, init_state, batches, rank, world, out_dir, **kw)
+        results[name] = scenario(name, config, init_state, batches, rank, world, out_dir, kernels, **kw)
         if rank == 0:
             print(name, json.dumps(results[name]), flush=True)
     results["embeddings_apart_error"] = embeddings_apart_error(make_config())

@@ -11,6 +11,7 @@ import pytest
 
 from tests.test_scripts import REPO_ROOT, SCRIPTS, load_script
 
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "OMP_NUM_THREADS": "1",  # this checkout's package, whatever the environment has installed
        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -61,6 +62,11 @@ def test_benchmark_packing_checks_the_loss_and_writes_consistent_json(tmp_path):
     # fresh process (the record file is this test session's), before timing
     kernels = r["kernels"]
     assert kernels["setting"] == "auto" and kernels["measurement_s"] >= 0
+    # the tiny model (2 layers) kernelized: every nn.Linear (4 per layer, the classifier), every nn.Dropout
+    # (embeddings', each layer's, the classifier's), each MLP and attention block, the encoder
+    layers = 2
+    assert kernels["kernelized"] == {"_attention_forward": layers, "_dropout_forward": layers + 2,
+                                     "_encoder_forward": 1, "_linear_forward": 4 * layers + 1, "_mlp_forward": layers}
     assert {key.split("|")[0] for key in kernels["chosen"]} >= {"linear", "dropout", "layout"}, kernels
     assert set(kernels["chosen"].values()) <= {"reference", "onednn_linear", "fused_activation", "bits_dropout",
                                                "per_sequence_attention", "grid_attention"}
@@ -72,16 +78,26 @@ def test_benchmark_packing_checks_the_loss_and_writes_consistent_json(tmp_path):
     ("bits_dropout,unpadded", ["bits_dropout", "unpadded"], ", `kernels=bits_dropout,unpadded`"),
 ])
 def test_benchmark_packing_runs_the_kernels_it_is_given(kernels, chosen, cell, monkeypatch):
-    """--kernels goes to the model's config.kernels (reference: the plain model, padded batches on the whole grid and
-    packed rows on a block-diagonal mask, as `--unpad_inputs false` ran before 0.4): the loss check still holds, the JSON
-    records the forced set and no measuring, the table's threads cell names it."""
+    """--kernels goes to hf_bert_impl.kernelize (reference: the model is not kernelized, the plain model runs padded
+    batches on the whole grid and packed rows on a block-diagonal mask): the loss check still holds, the JSON records
+    the forced set, the modules kernelized and no measuring, the table's threads cell names it."""
+    from hf_bert_impl import kernelized
+
     bench = load_script("benchmark_packing")
     built, build = [], bench.BertImplForTokenClassification
-    monkeypatch.setattr(bench, "BertImplForTokenClassification", lambda config: built.append(build(config)) or built[-1])
-    r = bench.main(["--num_batches", "1", "--batch_size", "4", "--max_seq_length", "32", "--passes", "1", "--warmup", "0",
-                    "--model_size", "debug", "--kernels", kernels])
-    assert built[0].config.kernels == kernels and r["args"]["kernels"] == kernels
-    assert r["kernels"] == {"setting": kernels, "chosen": chosen, "measurement_s": 0.0}
+    monkeypatch.setattr(bench, "BertImplForTokenClassification",
+                        lambda config: built.append(build(config)) or built[-1])
+    r = bench.main(["--num_batches", "1", "--batch_size", "4", "--max_seq_length", "32", "--passes", "1",
+                    "--warmup", "0", "--model_size", "debug", "--kernels", kernels])
+    modules = kernelized(built[0])
+    assert r["args"]["kernels"] == kernels and len(modules) == sum(r["kernels"]["kernelized"].values())
+    if kernels == "reference":
+        assert modules == {}
+    else:  # every kernel point of the debug model (2 layers) has the forced setting on it
+        assert modules["bert"] == "_encoder_forward" and modules["bert.layers.1.attn.Wqkv"] == "_linear_forward"
+        assert modules["bert.layers.0.dropout"] == "_dropout_forward"
+    assert r["kernels"] == {"setting": kernels, "chosen": chosen, "kernelized": r["kernels"]["kernelized"],
+                            "measurement_s": 0.0}
     assert r["loss_check"]["abs_diff"] <= 1e-5 and f"| 1{cell} |" in r["markdown_table"]
 
 
@@ -98,7 +114,7 @@ def test_benchmark_packing_bad_value_is_a_one_line_usage_error():
     (["--max_seq_length", "1000"], "--max_seq_length must be in [8, 512]"),
     (["--model_size", "huge"], "--model_size must be one of ['debug', 'tiny', 'mini'"),
     (["--threads", "-1"], "--warmup and --threads must be >= 0, got 2, -1"),
-    (["--kernels", "fast"], "--kernels must be auto, reference or kernel names from onednn_linear, fused_activation, "),
+    (["--kernels", "fast"], "--kernels must be auto, reference or kernel names from onednn_linear, fused_activation,"),
     (["--kernels", "unpadded,nope"], "got 'unpadded,nope'"),
 ])
 def test_benchmark_packing_rejects_bad_values_before_any_work(argv, message, capsys):

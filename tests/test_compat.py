@@ -35,8 +35,10 @@ from hf_bert_impl import (
     BertImplForSequenceClassification,
     BertImplModel,
 )
+from hf_bert_impl.hub import CODE_FILES
 
 from .conftest import REPO_ROOT, run_without_package
+
 
 COMPAT_DIR = REPO_ROOT / ".venv-compat"
 # version -> the side-install folder (scripts/setup_env.sh); None: this venv's own transformers.
@@ -139,6 +141,7 @@ def test_remote_code_under_transformers_version(version, debug_config, batch, mi
     for cls, auto in HEADS:
         model = cls(debug_config(num_labels=2 if cls is BertImplForQuestionAnswering else 3)).eval()
         model.save_pretrained(tmp_path / cls.__name__)
+        assert sorted(p.name for p in (tmp_path / cls.__name__).glob("*.py")) == sorted(CODE_FILES)  # the Hub files
         models[auto] = model
         heads.append([auto, str(tmp_path / cls.__name__)])
     rows = _mlm_rows(debug_config().vocab_size)
@@ -470,6 +473,7 @@ def _check_package_run(version, env, out, wall):
     assert "eval_accuracy" in indexed and indexed == facts["metrics"], (indexed, facts["metrics"])
     assert {"model.safetensors", "config.json", "modeling_bert_impl.py", "configuration_bert_impl.py", "README.md",
             "tokenizer.json", "loss_curve.png"} <= set(report["upload"]), report["upload"]
+    assert sorted(f for f in report["upload"] if f.endswith(".py")) == sorted(CODE_FILES), report["upload"]  # no more
     assert report["offline_push"].startswith("HF_HUB_OFFLINE is set"), report["offline_push"]
 
     # 5. conversion both ways: within the conversion tolerance of the original, and back to it exactly

@@ -1,6 +1,7 @@
 """Determinism: the same seed gives bit-identical initial weights (in this process and in a fresh
-one) and, on CPU, bit-identical losses and weights over 10 Trainer steps with dropout on. A
-different seed gives different numbers, so the equalities below can fail. The WordPiece tokenizer
+one) and, on CPU, bit-identical losses and weights over 10 Trainer steps with dropout on, for the plain model and
+for the kernelized one (`hf_bert_impl.kernelize`: its dropout masks come from bits_dropout). A different seed gives
+different numbers, so the equalities below can fail. The WordPiece tokenizer
 trained on the same texts is the same on every run (tokenizers' own trainer is not)."""
 
 import hashlib
@@ -9,12 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments, set_seed
 
-from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
+from hf_bert_impl import BertImplConfig, BertImplForMaskedLM, kernelize, kernelized
 from hf_bert_impl.data import SPECIAL_TOKENS, default_corpus_dataset, train_wordpiece_tokenizer
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 99
@@ -46,7 +49,8 @@ def test_same_seed_same_initial_weights_bit_for_bit():
         "print(t.weights_digest(t.init_model(7)))"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == weights_digest(a)
 
@@ -59,7 +63,8 @@ class RecordingTrainer(Trainer):
         self.step_losses = []
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
         self.step_losses.append((loss[0] if return_outputs else loss).detach().item())
         return loss
 
@@ -69,11 +74,14 @@ def tiny_mlm_data(n=48, seq=7):
     ids = torch.randint(1, VOCAB, (n, seq), generator=g)
     labels = torch.where(torch.rand(n, seq, generator=g) < 0.3, ids, torch.full_like(ids, -100))
     mask = (torch.arange(seq)[None, :] < torch.randint(3, seq + 1, (n, 1), generator=g)).long()
-    return Dataset.from_dict(dict(input_ids=(ids * mask).tolist(), attention_mask=mask.tolist(), labels=labels.tolist()))
+    return Dataset.from_dict(dict(input_ids=(ids * mask).tolist(), attention_mask=mask.tolist(),
+                                  labels=labels.tolist()))
 
 
-def train_steps(seed, out_dir, steps=10):
+def train_steps(seed, out_dir, steps=10, kernels=None):
     model = init_model(seed)
+    if kernels is not None:
+        assert kernelized(kernelize(model, kernels))
     args = TrainingArguments(
         output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3, seed=seed,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
@@ -83,10 +91,11 @@ def train_steps(seed, out_dir, steps=10):
     return trainer.step_losses, [e["loss"] for e in trainer.state.log_history if "loss" in e], weights_digest(model)
 
 
-def test_same_seed_same_losses_for_10_cpu_steps(tmp_path):
-    losses_a, logged_a, final_a = train_steps(3, tmp_path / "a")
-    losses_b, logged_b, final_b = train_steps(3, tmp_path / "b")
-    losses_c, _, final_c = train_steps(4, tmp_path / "c", steps=2)  # another seed: already different
+@pytest.mark.parametrize("kernels", [None, "auto", "bits_dropout,unpadded"], ids=["plain", "auto", "bits_dropout"])
+def test_same_seed_same_losses_for_10_cpu_steps(tmp_path, kernels):
+    losses_a, logged_a, final_a = train_steps(3, tmp_path / "a", kernels=kernels)
+    losses_b, logged_b, final_b = train_steps(3, tmp_path / "b", kernels=kernels)
+    losses_c, _, final_c = train_steps(4, tmp_path / "c", steps=2, kernels=kernels)  # another seed: already different
     assert len(losses_a) == 10 and len(logged_a) == 10
     assert losses_a == losses_b  # exact float equality, step by step
     assert logged_a == logged_b and final_a == final_b
@@ -96,11 +105,11 @@ def test_same_seed_same_losses_for_10_cpu_steps(tmp_path):
 
 
 def test_the_wordpiece_tokenizer_is_the_same_on_every_run():
-    """tokenizers' WordPieceTrainer numbers its "##x" tokens in hash-map order, so on the demo's
-    corpus and vocabulary size four runs gave four different vocabularies (2814 or 2815 tokens;
-    huggingface/tokenizers#1794). `train_wordpiece_tokenizer` fixes that order: three runs (the texts
-    given three ways) must give the same token -> id map, holding the same characters and "##" characters as the library's own
-    trainer, with BERT's five special tokens and nothing else special."""
+    """tokenizers' WordPieceTrainer numbers its "##x" tokens in hash-map order, so on the demo's corpus and vocabulary
+    size four runs gave four different vocabularies (2814 or 2815 tokens; huggingface/tokenizers#1794).
+    `train_wordpiece_tokenizer` fixes that order: three runs (the texts given three ways) must give the same token ->
+    id map, holding the same characters and "##" characters as the library's own trainer, with BERT's five special
+    tokens and nothing else special."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     column = default_corpus_dataset()["train"]["text"]

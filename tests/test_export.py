@@ -1,18 +1,20 @@
 """Export with proof: torch.export with dynamic batch and sequence, ONNX checked in onnxruntime.
 
-The exported graph is the plain model (kernels run outside tracing only: unpadding has data-dependent shapes), so
-outputs are compared at every position with torch's plain model (`config.kernels="reference"`) and with the default
-eager model, which unpads: both write zeros at padding positions, so the exported and the eager model agree everywhere.
-Tolerances: 1e-5 for torch.export (the same kernels), 1e-4 for onnxruntime (the issue's fp32 bound).
+The exported graph is the plain model (the model a user loads; kernels run outside tracing only), so outputs are
+compared at every position with torch's plain model and with a kernelized copy (`hf_bert_impl.kernelize`), which runs
+the layers on the real tokens only: both write zeros at padding positions, so the exported and the kernelized model
+agree everywhere. Tolerances: 1e-5 for torch.export (the same kernels), 1e-4 for onnxruntime (the issue's fp32 bound).
 """
 
+import copy
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_bert_impl import BertImplForMaskedLM, BertImplForSequenceClassification, BertImplModel
+from hf_bert_impl import BertImplForMaskedLM, BertImplForSequenceClassification, BertImplModel, kernelize, kernelized
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,16 +31,17 @@ def make(cls, debug_config, position):
 
 
 def assert_matches(model, run, inputs, atol):
-    """`run(inputs)` (the exported program) against torch's plain model and the default (unpadding) model, everywhere."""
+    """`run(inputs)` (the exported program) against torch's plain model and a kernelized copy, everywhere."""
+    fast = kernelize(copy.deepcopy(model), "unpadded,onednn_linear")
+    assert kernelized(fast) and not kernelized(model)
     with torch.no_grad():
         got = run(inputs)
-        with export_onnx.padded_path(model):
-            padded = model(**inputs)
-        default = model(**inputs)
-    assert list(got.keys()) == list(padded.keys())
+        plain = model(**inputs)
+        unpadded = fast(**inputs)
+    assert list(got.keys()) == list(plain.keys())
     for name, out in got.items():
-        torch.testing.assert_close(out, padded[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(out, default[name], atol=atol, rtol=0, msg=lambda m: f"{name} vs eager: {m}")
+        torch.testing.assert_close(out, plain[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(out, unpadded[name], atol=atol, rtol=0, msg=lambda m: f"{name} vs kernelized: {m}")
 
 
 @pytest.mark.parametrize(
@@ -100,7 +103,8 @@ def test_onnx_export_matches_onnxruntime_at_two_lengths(cls, position, debug_con
     assert {r["sequence"] for r in rows} == {5, 23} and {r["output"] for r in rows} == set(names)
     for r in rows:
         assert r["max_abs_diff"] <= 1e-4 and r["real_token_diff"] <= 1e-4, r
-        print(f"{cls.__name__} {position} seq {r['sequence']} {r['output']}: all {r['max_abs_diff']:.2e} real {r['real_token_diff']:.2e}")
+        print(f"{cls.__name__} {position} seq {r['sequence']} {r['output']}: all {r['max_abs_diff']:.2e} "
+              f"real {r['real_token_diff']:.2e}")
 
 
 def test_export_onnx_command(debug_config, tmp_path, capsys, minilm_dir):
@@ -120,7 +124,8 @@ def test_export_onnx_command(debug_config, tmp_path, capsys, minilm_dir):
     assert not (tmp_path / "x.onnx").exists()
     # A check that fails (an impossible tolerance) writes nothing and leaves the earlier export alone.
     before = out.read_bytes()
-    assert export_onnx.main(["--model", str(tmp_path / "ckpt"), "--out", str(out), "--check_lengths", "4", "--atol", "1e-15"]) == 1
+    impossible = ["--check_lengths", "4", "--atol", "1e-15"]
+    assert export_onnx.main(["--model", str(tmp_path / "ckpt"), "--out", str(out), *impossible]) == 1
     assert "nothing written" in capsys.readouterr().err
     assert out.read_bytes() == before
     assert sorted(p.name for p in out.parent.iterdir()) == ["cls.onnx", "cls.onnx.data"]

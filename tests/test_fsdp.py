@@ -1,7 +1,9 @@
 """FSDP2 on the CPU: `torch.distributed.fsdp.fully_shard` over 2 gloo processes (tests/fsdp_worker.py, one
 `torchrun --standalone --nproc_per_node 2` launch for every scenario) against one unsharded process doing the same
 AdamW steps (lr 3e-3, 3 steps) on the same global batches (8 padded rows of up to 9 tokens, 4 lengths, about a third
-of the real tokens labelled; each process gets 4 rows; the loss is the global batch's, as Trainer's num_items_in_batch).
+of the real tokens labelled; each process gets 4 rows; the loss is the global batch's, as Trainer's
+num_items_in_batch). Every model is kernelized before it is sharded, as the package's scripts do, except the "plain"
+scenario's (the model file alone).
 
 Tolerances (float32): per-step losses and gathered weights within 1e-5 absolute, first-step gradients within 1e-5 of
 the largest gradient. Sharding changes only the order of the gradient sums (two half-batch sums averaged by FSDP's
@@ -22,8 +24,18 @@ import pytest
 
 from .conftest import REPO_ROOT
 
+
 FP32_TOL = 1e-5
-FP32_SCENARIOS = ["default", "reference", "unpadded_sparse", "accelerate_grouping"]
+FP32_SCENARIOS = ["default", "plain", "unpadded_sparse", "accelerate_grouping"]
+# the kernel functions each scenario's kernelize put on the model (kernels_bert_impl.kernelized)
+KERNELIZED = {
+    "default": ["_attention_forward", "_dropout_forward", "_encoder_forward", "_linear_forward", "_lm_head_forward",
+                "_mlp_forward"],
+    "plain": [],
+    "unpadded_sparse": ["_attention_forward", "_dropout_forward", "_encoder_forward", "_linear_forward",
+                        "_lm_head_forward", "_mlp_forward", "_sparse_mlm_logits_and_loss"],
+}
+KERNELIZED["bf16"] = KERNELIZED["accelerate_grouping"] = KERNELIZED["default"]
 
 
 def _gloo_missing() -> str | None:
@@ -57,10 +69,12 @@ def fsdp(tmp_path_factory):
 
 @pytest.mark.parametrize("name", FP32_SCENARIOS)
 def test_fsdp2_training_equals_one_process(fsdp, name):
-    """default: kernels "auto" (it unpads this batch); reference: the model file alone (padded, masked);
-    unpadded_sparse: forced unpadding, per-sequence attention, skipped decoder rows, sparse prediction;
-    accelerate_grouping: the tied embeddings + decoder as one FSDP group, as accelerate's FSDP2 wraps them."""
+    """Each model kernelized before sharding, as the scripts do. default: kernelize(model) (kernels "auto": it unpads
+    this batch); plain: never kernelized, the model file alone (padded, masked); unpadded_sparse: forced unpadding,
+    per-sequence attention, skipped decoder rows, sparse prediction; accelerate_grouping: the tied embeddings + decoder
+    as one FSDP group, as accelerate's FSDP2 wraps them."""
     r = fsdp[name]
+    assert r["kernelized"] == KERNELIZED[name], r["kernelized"]
     assert r["sharded"] and r["param_dtypes"] == ["torch.float32"] and r["optimizer_state_dtypes"] == ["torch.float32"]
     # not vacuous: the single run moved its weights over 100x the tolerance
     assert r["single_moved"] > 100 * FP32_TOL, r["single_moved"]
@@ -72,18 +86,22 @@ def test_fsdp2_training_equals_one_process(fsdp, name):
     assert r["grad_vs_single"] <= FP32_TOL
     assert r["weights_vs_single"] <= FP32_TOL
     # the path each scenario names is the one that ran (layer 0's input, the logits)
-    unpadded = name != "reference"
-    expected_layer_input = [1, r["local_real_tokens"], r["hidden"]] if unpadded else [r["local_rows"], r["seq"], r["hidden"]]
+    unpadded = name != "plain"
+    padded = [r["local_rows"], r["seq"], r["hidden"]]
+    expected_layer_input = [1, r["local_real_tokens"], r["hidden"]] if unpadded else padded
     assert r["layer0_input"] == [expected_layer_input, "torch.float32"]
     assert r["local_real_tokens"] < r["local_rows"] * r["seq"], "the batch must hold padding"
     sparse = name == "unpadded_sparse"
-    assert r["logits_shape"] == ([r["local_labels"], r["vocab"]] if sparse else [r["local_rows"], r["seq"], r["vocab"]])
+    dense = [r["local_rows"], r["seq"], r["vocab"]]
+    assert r["logits_shape"] == ([r["local_labels"], r["vocab"]] if sparse else dense)
 
 
 @pytest.mark.parametrize("name", ["default", "unpadded_sparse"])
 def test_full_state_dict_to_save_pretrained_and_back(fsdp, name):
     """get_model_state_dict(full_state_dict=True, cpu_offload=True) on rank 0 -> save_pretrained -> from_pretrained:
-    every weight (the tied decoder included), bit-identical, and the sharded model's logits on the whole batch."""
+    every weight (the tied decoder included), bit-identical; kernelized as the sharded model was, the sharded model's
+    logits on the whole batch (1e-6); the plain model loaded from it (never kernelized) within the kernels' float32
+    tolerance (1e-5 of the largest logit, kernels_bert_impl.TOLERANCE)."""
     r = fsdp[name]
     keys = r["full_state_dict_keys"]
     assert "lm_head.decoder.weight" in keys and "bert.embeddings.word_embeddings.weight" in keys
@@ -91,6 +109,7 @@ def test_full_state_dict_to_save_pretrained_and_back(fsdp, name):
     assert r["reloaded_vs_gathered_weights"] == 0.0
     assert r["reloaded_vs_sharded_logits"] <= 1e-6
     assert r["reloaded_vs_single_logits"] <= FP32_TOL
+    assert r["reloaded_plain_vs_sharded_logits"] <= 1e-5 * r["sharded_logits_max"]
 
 
 @pytest.mark.parametrize("name", ["default", "unpadded_sparse"])
@@ -119,7 +138,8 @@ def test_bf16_mixed_precision_policy(fsdp):
     plain_grad, grad = r["plain_bf16_grad_error"], r["grad_vs_single"]
     plain_loss_error = abs(r["plain_bf16_loss"] - r["single_losses"][0])
     print(f"\n[bf16] gradient error {grad:.2e} (bf16 in one process: {plain_grad:.2e}); loss errors "
-          f"{[round(abs(a - b), 6) for a, b in zip(r['fsdp_losses'], r['single_losses'])]}; update error {r['update_vs_single']:.3f}")
+          f"{[round(abs(a - b), 6) for a, b in zip(r['fsdp_losses'], r['single_losses'])]}; "
+          f"update error {r['update_vs_single']:.3f}")
     assert 0 < grad <= 3 * plain_grad
     for fsdp_loss, single_loss in zip(r["fsdp_losses"], r["single_losses"]):
         assert abs(fsdp_loss - single_loss) <= 3 * max(plain_loss_error, 2**-9 * abs(single_loss))
@@ -131,5 +151,5 @@ def test_embeddings_apart_from_the_tied_decoder_is_refused(fsdp):
     """accelerate's FSDP2 wraps the model's _no_split_modules when no transformer_layer_cls_to_wrap is given; that
     includes BertImplEmbeddings, whose word embeddings the MLM decoder shares: FSDP2 then fails (hence the docs'
     transformer_layer_cls_to_wrap=["BertImplLayer"], with which accelerate keeps the tied pair in one group)."""
-    assert fsdp["embeddings_apart_error"], "sharding the embeddings apart from the tied decoder trained; update the docs"
+    assert fsdp["embeddings_apart_error"], "embeddings sharded apart from the tied decoder trained: update the docs"
 

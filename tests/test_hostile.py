@@ -1,21 +1,22 @@
 """Hostile inputs and hostile files.
 
-Inputs: hypothesis draws valid configs (sizes, heads, position type, activation, attention backend)
-and valid inputs (lengths, padding patterns, token types, all-zero masks, int / bool / float masks)
-and checks that every output is finite and padding is invisible; it draws invalid configs and
-inputs and checks for the documented ValueError naming the field or the value.
+Inputs: hypothesis draws valid configs (sizes, heads, position type, activation, attention backend) and valid inputs
+(lengths, padding patterns, token types, all-zero masks, int / bool / float masks) and checks that every output is
+finite and padding is invisible; it draws invalid field values (out-of-range numbers, wrong types, unknown names) and
+checks for the ValueError naming the field and the value at construction, fields that do not fit together (a head
+count that does not divide the hidden size, a pad id outside the vocabulary) and checks that the model refuses them
+when it is built, and invalid inputs and checks for the ValueError naming the value.
 
-Files: a truncated or corrupt model.safetensors, one lacking encoder tensors, config.json of the
-wrong model type or with a required field missing or of the wrong type, a transformers BERT
-directory, pickled .bin weights and edited code files (each with a payload that would create a
-marker file), and interrupted saves. Each gives a clear error (or is ignored, for code files),
-changes no file and runs no code; an interrupted save never leaves a checkpoint that loads with
-mixed contents."""
+Files: a truncated or corrupt model.safetensors and pickled .bin weights with a payload (each beside transformers'
+BertModel as the control: the same exception, no code run), one lacking encoder tensors, config.json of the wrong model
+type or with a required field missing or of the wrong type, retired speed fields, a transformers BERT directory and
+edited code files. Each gives an error (or is ignored, for code files), changes no file and runs no code. What a save
+writes (and that a save rewrites no config field) is checked here; where it writes and its crash safety in
+test_saving.py."""
 
 import hashlib
 import json
 import pickle
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,12 +26,14 @@ from hypothesis import strategies as st
 from transformers import AutoModel
 
 from hf_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
-from hf_bert_impl.configuration_bert_impl import HIDDEN_ACTS, REQUIRED_FIELDS
+from hf_bert_impl.configuration_bert_impl import HIDDEN_ACTS, POSITION_EMBEDDING_TYPES, REQUIRED_FIELDS
 
-# About 20 ms an example on one thread: 300 + 84 + 300 examples take about 7 s.
+
+# Examples per property: a valid case runs a model (about 20 ms on one thread), an invalid one mostly does not.
 VALID_EXAMPLES = 300
 INVALID_EXAMPLES = 300
-HYPO = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+COUPLED_EXAMPLES = 60  # each builds (part of) a model
+HYPO = {"deadline": None, "derandomize": True, "suppress_health_check": [HealthCheck.too_slow]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,7 +86,8 @@ def valid_case(draw):
     if mask is not None:
         mask = mask.to(draw(st.sampled_from([torch.long, torch.bool, torch.float32])))
     labels = torch.where(torch.rand(b, s, generator=g) < 0.5, input_ids, torch.full_like(input_ids, -100))
-    return config, seed, dict(input_ids=input_ids, attention_mask=mask, token_type_ids=token_type_ids), labels, pattern
+    inputs = {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": token_type_ids}
+    return config, seed, inputs, labels, pattern
 
 
 @settings(max_examples=VALID_EXAMPLES, **HYPO)
@@ -119,32 +123,79 @@ def test_valid_configs_and_inputs_give_finite_outputs(case):
         torch.testing.assert_close(again[real], out.prediction_logits[real], atol=1e-5, rtol=1e-5)
 
 
-# (field, bad value, text the error must contain)
-BAD_CONFIG_VALUES = [
-    ("vocab_size", 0, "vocab_size"), ("vocab_size", -3, "vocab_size"), ("vocab_size", 99.0, "vocab_size"),
-    ("hidden_size", True, "hidden_size"), ("hidden_size", "32", "hidden_size"),
-    ("num_hidden_layers", 0, "num_hidden_layers"), ("num_attention_heads", 5, "divisible"),
-    ("num_attention_heads", 0, "num_attention_heads"), ("intermediate_size", None, "intermediate_size"),
-    ("max_position_embeddings", -1, "max_position_embeddings"), ("type_vocab_size", 0, "type_vocab_size"),
-    ("hidden_dropout_prob", 1.0, "hidden_dropout_prob"), ("attention_probs_dropout_prob", -0.1, "attention_probs_dropout_prob"),
-    ("classifier_dropout", 1.5, "classifier_dropout"), ("position_embedding_type", "absolute", "'learned'"),
-    ("position_embedding_type", "rotary", "position_embedding_type"), ("hidden_act", "gelu2", "hidden_act"),
-    ("layer_norm_eps", 0, "layer_norm_eps"), ("initializer_range", "0.02", "initializer_range"),
-    ("pad_token_id", 99, "pad_token_id"), ("pad_token_id", -1, "pad_token_id"),
-]
+COUNTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+          "max_position_embeddings", "type_vocab_size")
+PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")
+POSITIVE = ("initializer_range", "layer_norm_eps")
+CHOICES = {"position_embedding_type": POSITION_EMBEDDING_TYPES, "hidden_act": HIDDEN_ACTS}
+OPTIONAL = ("classifier_dropout", "scale_word_embeddings", "pad_token_id")  # None is accepted there
+# anything of another type than a field takes; bool is refused wherever a number is asked
+OTHER_TYPES = st.one_of(st.text(max_size=8), st.lists(st.integers(), max_size=2), st.binary(max_size=4))
+
+
+@st.composite
+def bad_config_value(draw):
+    """(field, a value the field refuses): drawn, not listed: out-of-range numbers of the right type (NaN and inf
+    included), numbers of the wrong type, booleans, None where it is not accepted, strings that name nothing."""
+    field = draw(st.sampled_from([*COUNTS, *PROBABILITIES, *POSITIVE, *CHOICES, "scale_word_embeddings",
+                                  "pad_token_id"]))
+    if field in COUNTS:
+        value = draw(st.one_of(st.integers(max_value=0), st.floats(), st.booleans(), st.none(), OTHER_TYPES))
+    elif field in PROBABILITIES:
+        out = st.one_of(st.floats(min_value=1.0), st.floats(max_value=-1e-300), st.integers(min_value=1),
+                        st.integers(max_value=-1), st.just(float("nan")))
+        value = draw(st.one_of(out, st.booleans(), OTHER_TYPES, *([] if field in OPTIONAL else [st.none()])))
+    elif field in POSITIVE:
+        value = draw(st.one_of(st.floats(max_value=0.0), st.integers(max_value=0), st.just(float("nan")),
+                               st.booleans(), st.none(), OTHER_TYPES))
+    elif field in CHOICES:
+        value = draw(st.one_of(st.text(max_size=12).filter(lambda v: v not in CHOICES[field]), st.integers(),
+                               st.none(), st.lists(st.sampled_from(CHOICES[field]), min_size=1, max_size=1)))
+    elif field == "scale_word_embeddings":
+        value = draw(st.one_of(st.integers(), st.floats(), OTHER_TYPES))
+    else:  # pad_token_id
+        value = draw(st.one_of(st.integers(max_value=-1), st.floats(), st.booleans(), OTHER_TYPES))
+    return field, value
 
 
 @settings(max_examples=INVALID_EXAMPLES, **HYPO)
-@given(st.sampled_from(BAD_CONFIG_VALUES), st.integers(1, 4))
-def test_invalid_config_raises_value_error_naming_field(bad, heads):
-    field, value, expected = bad
-    kw = dict(vocab_size=99, hidden_size=heads * 8, num_attention_heads=heads, num_hidden_layers=1, intermediate_size=7)
-    kw[field] = value
-    if field == "num_attention_heads" and value == 5:
-        kw["hidden_size"] = 32
-    with pytest.raises(ValueError, match=expected) as err:
-        BertImplConfig(**kw)
-    assert repr(value) in str(err.value) or str(value) in str(err.value)
+@given(bad_config_value())
+def test_invalid_config_raises_value_error_naming_field(bad):
+    field, value = bad
+    event(field)
+    kw = {"vocab_size": 99, "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
+          "intermediate_size": 7}
+    with pytest.raises(ValueError, match=rf"^BertImplConfig\.{field} must be ") as err:
+        BertImplConfig(**{**kw, field: value})
+    assert str(err.value).endswith(f", got {value!r}"), str(err.value)
+
+
+@st.composite
+def coupled_case(draw):
+    """A config whose fields are each valid but do not fit together: a head count that does not divide the hidden
+    size, or a pad id at or past the end of the vocabulary."""
+    if draw(st.booleans()):
+        heads = draw(st.integers(2, 12))
+        hidden = draw(st.integers(1, 96).filter(lambda h: h % heads))
+        return {"hidden_size": hidden, "num_attention_heads": heads}, (
+            rf"hidden_size \({hidden}\) must be divisible by num_attention_heads \({heads}\)")
+    vocab = draw(st.integers(1, 200))
+    pad = draw(st.integers(vocab, 10**9))
+    message = rf"pad_token_id must be an id in \[0, vocab_size={vocab}\) or None, got {pad}$"
+    return {"vocab_size": vocab, "pad_token_id": pad}, message
+
+
+@settings(max_examples=COUPLED_EXAMPLES, **HYPO)
+@given(coupled_case())
+def test_coupled_fields_are_checked_when_the_model_is_built(case):
+    """The config takes them (transformers' ConfigTester builds such configs); building a model names both values."""
+    overrides, message = case
+    kw = {"vocab_size": 99, "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
+          "intermediate_size": 7}
+    config = BertImplConfig(**{**kw, **overrides})
+    assert all(getattr(config, k) == v for k, v in overrides.items())
+    with pytest.raises(ValueError, match=message):
+        BertImplModel(config)
 
 
 @st.composite
@@ -155,7 +206,7 @@ def invalid_input(draw):
         "empty", "embeds_width", "mask_values", "position_negative", "position_shape",
     ]))
     ids = torch.randint(0, 20, (b, s))
-    kw = dict(input_ids=ids)
+    kw = {"input_ids": ids}
     if kind == "id_high":
         bad = draw(st.integers(20, 10**6))
         ids[draw(st.integers(0, b - 1)), draw(st.integers(0, s - 1))] = bad
@@ -176,8 +227,8 @@ def invalid_input(draw):
         return kind, kw, "input_ids", "shape"
     if kind == "both":  # both input_ids and inputs_embeds, or neither
         if draw(st.booleans()):
-            return kind, dict(input_ids=ids, inputs_embeds=torch.zeros(b, s, 16)), "exactly one", ""
-        return kind, dict(attention_mask=torch.ones(b, s)), "exactly one", ""
+            return kind, {"input_ids": ids, "inputs_embeds": torch.zeros(b, s, 16)}, "exactly one", ""
+        return kind, {"attention_mask": torch.ones(b, s)}, "exactly one", ""
     if kind == "float_ids":
         kw["input_ids"] = ids.float()
         return kind, kw, "input_ids", "torch.float32"
@@ -186,13 +237,13 @@ def invalid_input(draw):
         return kind, kw, "empty", str(tuple(kw["input_ids"].shape))
     if kind == "embeds_width":
         width = draw(st.integers(1, 40).filter(lambda w: w != 16))
-        return kind, dict(inputs_embeds=torch.zeros(b, s, width)), "inputs_embeds", str(width)
-    if kind == "mask_values":
-        bad = draw(st.sampled_from([2, -1, 0.5, 7]))
+        return kind, {"inputs_embeds": torch.zeros(b, s, width)}, "inputs_embeds", str(width)
+    if kind == "mask_values":  # an integer or a float32 value that is neither 0 nor 1 (NaN and inf included)
+        bad = draw(st.one_of(st.integers(-(2**62), 2**62), st.floats(width=32)).filter(lambda v: v not in (0, 1)))
         mask = torch.ones(b, s) if isinstance(bad, float) else torch.ones(b, s, dtype=torch.long)
-        mask[-1, -1] = bad
+        mask[draw(st.integers(0, b - 1)), draw(st.integers(0, s - 1))] = bad
         kw["attention_mask"] = mask
-        return kind, kw, "attention_mask", str(bad)
+        return kind, kw, "attention_mask", f"got {bad}"
     if kind == "position_negative":
         bad = draw(st.integers(-50, -1))
         kw["position_ids"] = torch.arange(s)[None].clone()
@@ -226,7 +277,8 @@ def test_invalid_inputs_raise_value_error_naming_the_value(case):
 
 def snapshot(folder: Path) -> dict:
     """Every file under `folder` (and the folder's siblings' names) -> sha256, to prove nothing changed."""
-    files = {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+    files = {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in folder.rglob("*") if p.is_file()}
     return {"files": files, "siblings": sorted(p.name for p in folder.parent.iterdir())}
 
 
@@ -260,13 +312,27 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
-def test_corrupt_safetensors_is_a_clear_error(saved, corruption):
-    folder, _ = saved
-    weights = folder / "model.safetensors"
-    weights.write_bytes(CORRUPTIONS[corruption](weights.read_bytes()))
-    msg = assert_refused(folder, lambda: BertImplModel.from_pretrained(folder), "truncated or corrupt")
-    assert str(folder) in msg
-    print(f"{corruption}: {msg}")
+def test_corrupt_safetensors_fails_as_for_bert_model(saved, corruption):
+    """A truncated or corrupt model.safetensors, beside transformers' BertModel holding the same weights (the
+    control, corrupted the same way): both loads raise, with the same exception type, and change no file."""
+    from transformers import BertModel
+
+    from hf_bert_impl.convert import to_hf_bert
+
+    folder, model = saved
+    control = folder.parent / "bert"
+    to_hf_bert(model).save_pretrained(control)
+    errors = []
+    for where, cls in ((folder, BertImplModel), (control, BertModel)):
+        weights = where / "model.safetensors"
+        weights.write_bytes(CORRUPTIONS[corruption](weights.read_bytes()))
+        before = snapshot(where)
+        with pytest.raises(Exception) as err:  # any type: the two types are compared below
+            cls.from_pretrained(where)
+        assert snapshot(where) == before, f"a failed {cls.__name__} load changed files"
+        errors.append(err.value)
+    assert type(errors[0]) is type(errors[1]), errors
+    print(f"{corruption}: {type(errors[0]).__name__}: {errors[0]}")
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "roberta", None])
@@ -335,358 +401,68 @@ class _MarkerPayload:
         return (open, (self.marker, "w"))
 
 
-def test_pickled_weights_are_refused_and_run_no_code(saved, tmp_path):
-    folder, model = saved
-    marker = tmp_path / "code_ran.txt"
-    (folder / "model.safetensors").unlink()
-    state = dict(model.state_dict())
-    state["payload"] = _MarkerPayload(marker)
-    torch.save(state, folder / "pytorch_model.bin")
+def test_pickled_weights_with_a_payload_run_no_code(saved, tmp_path):
+    """A checkpoint whose only weights are a pytorch_model.bin carrying a payload: transformers' loader
+    (torch.load(weights_only=True)) refuses it for our model exactly as for BertModel (the control, same payload),
+    runs no code and changes no file."""
+    from transformers import BertModel
 
-    msg = assert_refused(folder, lambda: BertImplModel.from_pretrained(folder), "only pickled weights")
-    assert "weights_only=True" in msg
-    assert not marker.exists()
-    print(f"pickled pytorch_model.bin: {msg}")
-    # Opting in (use_safetensors=False) goes through transformers' torch.load(weights_only=True),
-    # which refuses the payload: still no code.
-    before = snapshot(folder)
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
-        BertImplModel.from_pretrained(folder, use_safetensors=False)
-    assert not marker.exists() and snapshot(folder) == before
-    # The payload is live: an unsafe load does run it, so the two checks above could have failed.
+    from hf_bert_impl.convert import to_hf_bert
+
+    folder, model = saved
+    control = folder.parent / "bert"
+    to_hf_bert(model).save_pretrained(control)
+    marker = tmp_path / "code_ran.txt"
+    errors = []
+    for where, cls, source in ((folder, BertImplModel, model), (control, BertModel, to_hf_bert(model))):
+        (where / "model.safetensors").unlink()
+        torch.save({**source.state_dict(), "payload": _MarkerPayload(marker)}, where / "pytorch_model.bin")
+        before = snapshot(where)
+        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed") as err:
+            cls.from_pretrained(where)
+        assert not marker.exists() and snapshot(where) == before
+        errors.append(err.value)
+    assert type(errors[0]) is type(errors[1])
+    # The payload is live: an unsafe load does run it, so the checks above could have failed.
     torch.load(folder / "pytorch_model.bin", weights_only=False)
     assert marker.exists()
 
 
-def test_clean_pickled_weights_load_only_when_asked(saved):
-    folder, model = saved
-    (folder / "model.safetensors").unlink()
-    torch.save(model.state_dict(), folder / "pytorch_model.bin")
-    assert_refused(folder, lambda: BertImplModel.from_pretrained(folder), "use_safetensors=False")
-    loaded = BertImplModel.from_pretrained(folder, use_safetensors=False)
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(loaded.state_dict()[name], tensor), name
+def test_no_config_field_is_rewritten_by_a_save(tmp_path, debug_config):
+    """A save writes the model's config as it is: non-default values of every kind come back from config.json
+    unchanged, and a kernelized model (sparse_prediction=True included) saves the same config.json and weights as
+    the plain one (0.5 rewrote sparse_prediction in the saved file)."""
+    from hf_bert_impl import kernelize, kernelized
+
+    config = debug_config(hidden_act="relu", classifier_dropout=0.3, layer_norm_eps=1e-7, initializer_range=0.05,
+                          position_embedding_type="learned", max_position_embeddings=64, scale_word_embeddings=True,
+                          hidden_dropout_prob=0.2, type_vocab_size=3, pad_token_id=1, num_labels=3)
+    torch.manual_seed(0)
+    model = BertImplForMaskedLM(config)
+    model.save_pretrained(tmp_path / "plain")
+    written = json.loads((tmp_path / "plain" / "config.json").read_text())
+    live = json.loads(model.config.to_json_string(use_diff=False))
+    assert {k: v for k, v in written.items() if k != "transformers_version"} == {
+        k: live[k] for k in written if k != "transformers_version"}
+    fields = BertImplConfig.__init__.__code__.co_varnames[1:BertImplConfig.__init__.__code__.co_argcount]
+    assert all(written[f] == live[f] for f in fields), [f for f in fields if written.get(f) != live[f]]
+    assert (written["hidden_act"], written["classifier_dropout"], written["pad_token_id"]) == ("relu", 0.3, 1)
+    reloaded = BertImplConfig.from_pretrained(tmp_path / "plain").to_dict()
+    assert {k: v for k, v in reloaded.items() if k != "_name_or_path"} == {
+        k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+    kernelize(model, sparse_prediction=True)
+    assert "._mlm_logits_and_loss" in kernelized(model)
+    model.save_pretrained(tmp_path / "kernelized")
+    assert sorted(p.name for p in (tmp_path / "kernelized").iterdir()) == sorted(
+        p.name for p in (tmp_path / "plain").iterdir())
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "kernelized" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+    assert not {"sparse_prediction", "kernels"} & set(written)
 
 
-# ----------------------------------------------------------------------------------------------
-# Interrupted saves
-
-
-def _model(debug_config, seed, **overrides):
-    torch.manual_seed(seed)
-    return BertImplModel(debug_config(**overrides)).eval()
-
-
-def _same(a, b) -> bool:
-    return a.config.hidden_act == b.config.hidden_act and all(
-        torch.equal(a.state_dict()[k], t) for k, t in b.state_dict().items()
-    )
-
-
-class Interrupted(Exception):
-    pass
-
-
-def _interrupt_weight_write(monkeypatch):
-    """Make transformers' weight writer die after writing half a file (a crash or Ctrl-C mid-write)."""
-    import transformers.modeling_utils as mu
-
-    real = mu.safe_save_file
-
-    def half_then_die(tensors, filename, metadata=None):
-        real(tensors, filename, metadata=metadata)
-        data = Path(filename).read_bytes()
-        Path(filename).write_bytes(data[: len(data) // 2])
-        raise Interrupted(filename)
-
-    monkeypatch.setattr(mu, "safe_save_file", half_then_die)
-
-
-def test_plain_transformers_save_can_leave_a_mixed_checkpoint(tmp_path, debug_config, monkeypatch):
-    """The hazard the override removes: transformers writes config.json before the weights, so a save
-    interrupted before the weights land leaves the new config beside the old weights, and it loads."""
-    from transformers import PreTrainedModel
-
-    old, new = _model(debug_config, 0), _model(debug_config, 1, hidden_act="relu")
-    old.save_pretrained(tmp_path / "ckpt")
-    import transformers.modeling_utils as mu
-
-    def die(*args, **kwargs):
-        raise Interrupted
-
-    monkeypatch.setattr(mu, "safe_save_file", die)
-    with pytest.raises(Interrupted):
-        PreTrainedModel.save_pretrained(new, tmp_path / "ckpt")
-    mixed = BertImplModel.from_pretrained(tmp_path / "ckpt")
-    assert mixed.config.hidden_act == "relu" and not _same(mixed, new) and not _same(mixed, old)
-
-
-def test_interrupted_weight_write_leaves_old_checkpoint(tmp_path, debug_config, monkeypatch):
-    old, new = _model(debug_config, 0), _model(debug_config, 1, hidden_act="relu")
-    folder = tmp_path / "ckpt"
-    old.save_pretrained(folder)
-    (folder / "tokenizer.json").write_text("{}")
-    before = snapshot(folder)
-    _interrupt_weight_write(monkeypatch)
-    with pytest.raises(Interrupted):
-        new.save_pretrained(folder)
-    assert snapshot(folder) == before  # untouched, and no staging directory left beside it
-    assert _same(BertImplModel.from_pretrained(folder), old)
-
-
-def test_interrupted_new_directory_does_not_exist(tmp_path, debug_config, monkeypatch):
-    _interrupt_weight_write(monkeypatch)
-    with pytest.raises(Interrupted):
-        _model(debug_config, 0).save_pretrained(tmp_path / "fresh")
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
-
-
-def _old_checkpoint_with_extras(folder, old):
-    old.save_pretrained(folder)
-    (folder / "model-00001-of-00002.safetensors").write_bytes(b"stale shard of an older save")
-    (folder / "tokenizer.json").write_text('{"kept": true}')
-    (folder / "checkpoint-5").mkdir()
-    (folder / "checkpoint-5" / "trainer_state.json").write_text("{}")
-
-
-def _loads_as(folder, old, new) -> str:
-    """'old' or 'new'; fails on a mix, on a missing checkpoint, or on lost user files."""
-    loaded = BertImplModel.from_pretrained(folder)  # raises if nothing loadable is there
-    assert (folder / "tokenizer.json").read_text() == '{"kept": true}'
-    assert (folder / "checkpoint-5" / "trainer_state.json").exists()
-    if _same(loaded, new):
-        assert not (folder / "model-00001-of-00002.safetensors").exists()  # the old save's shard went with it
-        return "new"
-    assert _same(loaded, old), "loads a mixed checkpoint"
-    return "old"
-
-
-def test_replacing_a_checkpoint_is_atomic_at_every_step(tmp_path, debug_config, monkeypatch):
-    """Replace an existing checkpoint directory (with a tokenizer, a checkpoint-5 folder and a stale
-    shard of an older save) and make the save fail at each of its steps in turn, then once not at all:
-    after every failure the directory loads as the complete old model, after the last as the complete
-    new one; user files survive; nothing is left beside it."""
-    import os
-
-    import hf_bert_impl.checkpoint_bert_impl as mb
-
-    old, new = _model(debug_config, 0), _model(debug_config, 1, hidden_act="relu")
-    real = {"_link_tree": mb._link_tree, "rename": os.rename, "rmtree": mb.shutil.rmtree}
-    outcomes = []
-    for k in range(20):
-        folder = tmp_path / f"ckpt{k}"
-        _old_checkpoint_with_extras(folder, old)
-        calls, fired = [], []
-
-        def failing(name):
-            def call(*args, **kwargs):
-                # the cleanup in `finally` and the recovery after the failure are not steps
-                if not fired and (name != "rmtree" or not kwargs.get("ignore_errors")):
-                    if len(calls) == k:
-                        fired.append(name)
-                        raise Interrupted(f"step {k}: {name}{args}")
-                    calls.append(name)
-                return real[name](*args, **kwargs)
-            return call
-
-        monkeypatch.setattr(mb, "_link_tree", failing("_link_tree"))
-        monkeypatch.setattr(mb.os, "rename", failing("rename"))
-        monkeypatch.setattr(mb.shutil, "rmtree", failing("rmtree"))
-        try:
-            new.save_pretrained(folder)
-            finished = True
-        except Interrupted:
-            finished = False
-        monkeypatch.setattr(mb, "_link_tree", real["_link_tree"])
-        monkeypatch.setattr(mb.os, "rename", real["rename"])
-        monkeypatch.setattr(mb.shutil, "rmtree", real["rmtree"])
-        outcomes.append(_loads_as(folder, old, new))
-        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(f".ckpt{k}.")] == []
-        if finished:
-            assert outcomes[-1] == "new"
-            break
-    print(f"interrupted replacement outcomes by step: {outcomes}")
-    assert outcomes == ["old"] * 4 + ["new"], outcomes  # link x2, rename aside, rename in; then done
-
-
-# A save of the model in argv[1] into argv[2], SIGKILLed at the step named by argv[3] (module docstring
-# of checkpoint_bert_impl.py): after the links, between the two renames, before removing the old one.
-_KILLED_SAVE = """
-import os, signal, sys
-import hf_bert_impl.checkpoint_bert_impl as mb
-from hf_bert_impl import BertImplModel
-source, folder, step = sys.argv[1:]
-model = BertImplModel.from_pretrained(source)
-kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
-real = {"link": mb._link_tree, "rename": os.rename, "rmtree": mb.shutil.rmtree}
-def link(*a):
-    if step == "linking":
-        kill()
-    return real["link"](*a)
-def rename(src, dst):
-    if step == "between_renames" and ".saving-" in os.fspath(src):
-        kill()
-    return real["rename"](src, dst)
-def rmtree(path, **kw):
-    if step == "removing_old" and ".replaced-" in os.fspath(path):
-        kill()
-    return real["rmtree"](path, **kw)
-mb._link_tree, os.rename, mb.shutil.rmtree = link, rename, rmtree
-model.save_pretrained(folder)
-"""
-
-
-@pytest.mark.parametrize("step, loads, left", [
-    ("linking", "old", ["ckpt", "saving"]),
-    ("between_renames", "old", ["replaced", "saving"]),
-    ("removing_old", "new", ["ckpt", "replaced"]),
-])
-def test_save_killed_at_each_step_loads_and_is_repaired(tmp_path, debug_config, caplog, step, loads, left):
-    """SIGKILL a save at each step of checkpoint_bert_impl's replacement: the checkpoint loads as the old
-    or the new model, without changing a file; between the two renames there is no directory, and
-    from_pretrained loads the old model from `.ckpt.replaced-*` with a warning that says what happened and
-    how to recover. The next save restores or removes every leftover and keeps the user files."""
-    import os
-    import signal
-    import subprocess
-
-    old, new = _model(debug_config, 0), _model(debug_config, 1, hidden_act="relu")
-    new.save_pretrained(tmp_path / "new_src")
-    root = tmp_path / "work"
-    folder = root / "ckpt"
-    _old_checkpoint_with_extras(folder, old)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path / "new_src"), str(folder), step],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]  # killed at that step, not finished
-    names = sorted(p.name for p in root.iterdir())
-    assert sorted(n if n == "ckpt" else n.split(".")[2].split("-")[0] for n in names) == left, names
-    before = snapshot(root)["files"]
-    with caplog.at_level("WARNING"):
-        loaded = BertImplModel.from_pretrained(folder)
-    assert _same(loaded, old if loads == "old" else new)
-    assert snapshot(root)["files"] == before and sorted(p.name for p in root.iterdir()) == names  # read only
-    warned = [r.getMessage() for r in caplog.records if "killed between its two renames" in r.getMessage()]
-    if step == "between_renames":
-        assert len(warned) == 1 and str(folder) in warned[0] and "mv " in warned[0], warned
-        print(f"load between the renames: {warned[0]}")
-    else:
-        assert warned == []
-    new.save_pretrained(folder)  # the dead save's leftovers are restored / removed first
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt"]
-    assert _loads_as(folder, old, new) == "new"
-
-
-def test_several_previous_checkpoints_are_a_clear_error(saved):
-    """Two saves killed between their renames (possible only from two hosts): which is newer is not known."""
-    import os
-
-    folder, _ = saved
-    tag = "otherhost-1-"
-    os.rename(folder, folder.parent / f".ckpt.replaced-{tag}{'a' * 12}")
-    BertImplModel.from_pretrained(folder)  # one: loads it
-    (folder.parent / f".ckpt.replaced-{tag}{'b' * 12}").mkdir()
-    with pytest.raises(ValueError, match=r"does not exist, and 2 interrupted saves left previous checkpoints.*Rename"):
-        BertImplModel.from_pretrained(folder)
-
-
-_SAVE_LOOP = """
-import sys, torch
-from hf_bert_impl import BertImplConfig, BertImplModel
-config = BertImplConfig.from_preset("debug", vocab_size=99)
-models = []
-for seed in (0, 1):
-    torch.manual_seed(seed)
-    models.append(BertImplModel(config))
-models[0].save_pretrained(sys.argv[1])
-print("ready", flush=True)
-i = 1
-while True:
-    models[i % 2].save_pretrained(sys.argv[1])
-    i += 1
-"""
-
-
-def test_killed_save_leaves_a_loadable_checkpoint(tmp_path, debug_config):
-    """SIGKILL a process that keeps replacing a checkpoint directory, at several moments: every time
-    the directory loads as one of the two models, and the next save removes the dead save's hidden
-    staging directory."""
-    import os
-    import signal
-    import subprocess
-    import time
-
-    import torch
-
-    folder = tmp_path / "ckpt"
-    models = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        models.append(BertImplModel(BertImplConfig.from_preset("debug", vocab_size=99)).eval())
-    models[0].save_pretrained(tmp_path / "reference")  # the files of a complete save (the Hub files vary)
-    complete = sorted(p.name for p in (tmp_path / "reference").iterdir())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    seen = set()
-    for delay in (0.05, 0.17, 0.41):
-        proc = subprocess.Popen([sys.executable, "-c", _SAVE_LOOP, str(folder)], env=env, stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        loaded = BertImplModel.from_pretrained(folder).eval()
-        which = [i for i, m in enumerate(models) if _same(loaded, m)]
-        assert len(which) == 1, "the killed save left a checkpoint that is neither model"
-        seen.add(which[0])
-        # killed between the two renames (rare): the old checkpoint waits complete beside the directory
-        source = folder if folder.exists() else next(tmp_path.glob(".ckpt.replaced-*"))
-        visible = sorted(p.name for p in source.iterdir())
-        assert visible == complete and "model.safetensors" in visible, visible
-    models[0].save_pretrained(folder)  # the dead processes' staging directories go
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "reference"]
-    print(f"models found after kills: {sorted(seen)}")
-
-
-def test_saved_config_never_carries_sparse_prediction(tmp_path, debug_config):
-    """pretrain_mlm.py trains with sparse_prediction on; Trainer's mid-run checkpoint-N saves went
-    through save_pretrained with the flag set, so a loaded checkpoint returned (n, V) logits with labels.
-    The saved config has it off; the live model keeps it (the training keeps its speed)."""
-    model = BertImplForMaskedLM(debug_config(sparse_prediction=True))
-    model.save_pretrained(tmp_path / "ckpt")
-    assert model.config.sparse_prediction is True
-    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["sparse_prediction"] is False
-    loaded = BertImplForMaskedLM.from_pretrained(tmp_path / "ckpt")
-    ids = torch.randint(5, 99, (2, 7))
-    assert loaded(ids, labels=ids).logits.shape == (2, 7, 99)
-
-
-def test_save_into_existing_directory_keeps_other_files(tmp_path, debug_config):
-    old, new = _model(debug_config, 0), _model(debug_config, 1)
-    folder = tmp_path / "ckpt"
-    old.save_pretrained(folder)
-    (folder / "tokenizer.json").write_text('{"kept": true}')
-    (folder / "checkpoint-5").mkdir()
-    (folder / "checkpoint-5" / "trainer_state.json").write_text("{}")
-    new.save_pretrained(folder)
-    assert (folder / "tokenizer.json").read_text() == '{"kept": true}'
-    assert (folder / "checkpoint-5" / "trainer_state.json").exists()
-    assert _same(BertImplModel.from_pretrained(folder), new)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-
-
-def test_saved_directory_has_the_usual_permissions(tmp_path, debug_config):
-    """The staging directory must not leak a private (0700) mode into the saved checkpoint."""
-    import os
-    import stat
-
-    (tmp_path / "plain").mkdir()
-    _model(debug_config, 0).save_pretrained(tmp_path / "ckpt")
-    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
-    assert mode(tmp_path / "ckpt") == mode(tmp_path / "plain")
-
-
-def test_checkpoint_missing_encoder_weights_loads_with_a_warning(saved, caplog):
-    """transformers' contract for renamed or absent weights: the model loads, they start random and are
-    listed in missing_keys. Encoder weights are never normally missing, so a warning says how many."""
+def test_checkpoint_missing_encoder_weights_lists_them_in_missing_keys(saved):
+    """transformers' contract for renamed or absent weights: the model loads, they start freshly initialised and
+    are listed in missing_keys (transformers also reports them); every other weight is the checkpoint's."""
     from safetensors.torch import load_file, save_file
 
     folder, model = saved
@@ -694,19 +470,15 @@ def test_checkpoint_missing_encoder_weights_loads_with_a_warning(saved, caplog):
     renamed = {("old." + k if k.startswith("layers.1.") else k): v for k, v in state.items()}
     save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
     before = snapshot(folder)
-    with caplog.at_level("WARNING"):
-        loaded, info = BertImplModel.from_pretrained(folder, output_loading_info=True)
+    loaded, info = BertImplModel.from_pretrained(folder, output_loading_info=True)
     assert snapshot(folder) == before
     lost = {k for k in state if k.startswith("layers.1.")}
-    assert len(lost) == 12 and lost <= set(info["missing_keys"]) and "layers.1.attn.Wo.bias" in info["missing_keys"]
-    warned = [r.getMessage() for r in caplog.records if "encoder weight" in r.getMessage()]
-    assert len(warned) == 1 and "lacks 12 encoder weight(s)" in warned[0] and "layers.1.attn.Wo.bias" in warned[0]
-    assert "initialised randomly" in warned[0] and str(folder) in warned[0]
+    assert len(lost) == 12 and set(info["missing_keys"]) == lost, sorted(info["missing_keys"])
+    assert set(info["unexpected_keys"]) == {"old." + k for k in lost}
     for name, tensor in loaded.state_dict().items():
         if name not in lost:
             assert torch.equal(tensor, model.state_dict()[name]), name
-    assert type(BertImplModel.from_pretrained(folder)) is BertImplModel  # without output_loading_info: the model
-    print(f"encoder weights missing: {warned[0]}")
+    assert not torch.equal(loaded.layers[1].attn.Wqkv.weight, model.layers[1].attn.Wqkv.weight)
 
 
 def test_new_head_and_pooler_on_an_encoder_checkpoint_still_load(tmp_path, debug_config):
@@ -715,20 +487,19 @@ def test_new_head_and_pooler_on_an_encoder_checkpoint_still_load(tmp_path, debug
     mlm = BertImplForMaskedLM(debug_config()).eval()
     mlm.save_pretrained(tmp_path / "mlm")  # no pooler, an MLM head
     model, info = BertImplForSequenceClassification.from_pretrained(tmp_path / "mlm", output_loading_info=True)
-    assert info["missing_keys"] == {"classifier.weight", "classifier.bias", "bert.pooler.dense.weight", "bert.pooler.dense.bias"}
+    assert set(info["missing_keys"]) == {"classifier.weight", "classifier.bias", "bert.pooler.dense.weight",
+                                         "bert.pooler.dense.bias"}
     assert torch.equal(model.bert.layers[1].attn.Wqkv.weight, mlm.bert.layers[1].attn.Wqkv.weight)
 
 
 def test_tampered_code_files_in_a_checkpoint_are_not_run(saved, tmp_path):
-    """A checkpoint carries our three code files for trust_remote_code users. With this package
-    installed and no trust_remote_code, loading uses the installed classes and never runs them."""
+    """A checkpoint carries our two Hub files for trust_remote_code users. With this package installed and no
+    trust_remote_code, loading uses the installed classes and never runs them."""
     import runpy
-
-    from transformers import AutoModel
 
     folder, model = saved
     markers = {}
-    for name in ("modeling_bert_impl.py", "configuration_bert_impl.py", "checkpoint_bert_impl.py"):
+    for name in ("modeling_bert_impl.py", "configuration_bert_impl.py"):
         markers[name] = tmp_path / f"ran_{name}.txt"
         code = folder / name
         code.write_text(f"open({str(markers[name])!r}, 'w').close()\n" + code.read_text())
@@ -742,41 +513,15 @@ def test_tampered_code_files_in_a_checkpoint_are_not_run(saved, tmp_path):
     assert markers["modeling_bert_impl.py"].exists()
 
 
-# ----------------------------------------------------------------------------------------------
-# Config validation on every assignment, not only in __init__
-
-
-@pytest.mark.parametrize("field, value, problem", [
-    ("hidden_size", 30, "divisible by num_attention_heads"),
-    ("hidden_size", -3, "positive integer"),
-    ("num_attention_heads", 5, "divisible"),
-    ("hidden_dropout_prob", 1.5, "probability"),
-    ("position_embedding_type", "absolute", "position_embedding_type"),
-    ("hidden_act", "nope", "hidden_act"),
-    ("sparse_prediction", "yes", "True or False"),
-    ("pad_token_id", 500, "pad_token_id"),
-])
-def test_config_assignment_is_validated_and_rolled_back(debug_config, field, value, problem):
-    config = debug_config()
-    before = getattr(config, field)
-    with pytest.raises(ValueError, match=problem) as info:
-        setattr(config, field, value)
-    message = str(info.value)
-    assert field in message and (repr(value) in message or str(value) in message), message
-    assert getattr(config, field) == before  # the bad value did not stay
-    config.hidden_dropout_prob = 0.25  # a good value still goes in
-    assert config.hidden_dropout_prob == 0.25
-
-
 def test_from_pretrained_overrides_are_validated(tmp_path, debug_config):
-    """transformers applies `from_pretrained(dir, field=value)` overrides with setattr after __init__."""
+    """`from_pretrained(dir, field=value)` overrides go through the config's checks; a coupled one through the
+    model's."""
     BertImplModel(debug_config()).save_pretrained(tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=r"hidden_size.*-3"):
+    with pytest.raises(ValueError, match=r"BertImplConfig\.hidden_size must be a positive integer, got -3"):
         BertImplConfig.from_pretrained(tmp_path / "ckpt", hidden_size=-3)
-    with pytest.raises(ValueError, match=r"num_attention_heads \(5\)"):
+    assert BertImplConfig.from_pretrained(tmp_path / "ckpt", num_attention_heads=5).num_attention_heads == 5
+    with pytest.raises(ValueError, match=r"hidden_size \(32\) must be divisible by num_attention_heads \(5\)"):
         BertImplModel.from_pretrained(tmp_path / "ckpt", num_attention_heads=5)
-    with pytest.raises(ValueError, match="attention_probs_dropout_prob"):
+    with pytest.raises(ValueError, match=r"attention_probs_dropout_prob must be a probability in \[0, 1\), got 2\.0"):
         AutoModel.from_pretrained(tmp_path / "ckpt", attention_probs_dropout_prob=2.0)
     assert BertImplConfig.from_pretrained(tmp_path / "ckpt", hidden_dropout_prob=0.3).hidden_dropout_prob == 0.3
-    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert not [k for k in saved if k.startswith("_bert_impl")]  # the validation flag is not serialised

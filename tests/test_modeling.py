@@ -19,6 +19,7 @@ from hf_bert_impl import (
     BertImplModel,
 )
 
+
 ATOL = 1e-5  # float32, unit-scale activations (docs/formulas.md, tolerances)
 
 
@@ -29,30 +30,97 @@ ATOL = 1e-5  # float32, unit-scale activations (docs/formulas.md, tolerances)
 @pytest.mark.parametrize(
     "overrides,field",
     [
-        (dict(hidden_size=30, num_attention_heads=4), "hidden_size"),
-        (dict(num_hidden_layers=0), "num_hidden_layers"),
-        (dict(vocab_size=-5), "vocab_size"),
-        (dict(intermediate_size=2.5), "intermediate_size"),
-        (dict(hidden_dropout_prob=1.0), "hidden_dropout_prob"),
-        (dict(attention_probs_dropout_prob=-0.1), "attention_probs_dropout_prob"),
-        (dict(classifier_dropout=1.5), "classifier_dropout"),
-        (dict(position_embedding_type="absolute"), "position_embedding_type"),
-        (dict(position_embedding_type="rotary"), "position_embedding_type"),
-        (dict(hidden_act="gelu_fancy"), "hidden_act"),
-        (dict(layer_norm_eps=0), "layer_norm_eps"),
-        (dict(pad_token_id=500), "pad_token_id"),
-        (dict(kernels="fast"), "kernels"),
-        (dict(sparse_prediction=1), "sparse_prediction"),
-        (dict(scale_word_embeddings=1), "scale_word_embeddings"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"vocab_size": -5}, "vocab_size"),
+        ({"intermediate_size": 2.5}, "intermediate_size"),
+        ({"hidden_dropout_prob": 1.0}, "hidden_dropout_prob"),
+        ({"attention_probs_dropout_prob": -0.1}, "attention_probs_dropout_prob"),
+        ({"classifier_dropout": 1.5}, "classifier_dropout"),
+        ({"position_embedding_type": "absolute"}, "position_embedding_type"),
+        ({"position_embedding_type": "rotary"}, "position_embedding_type"),
+        ({"hidden_act": "gelu_fancy"}, "hidden_act"),
+        ({"layer_norm_eps": 0}, "layer_norm_eps"),
+        ({"pad_token_id": -1}, "pad_token_id"),
+        ({"scale_word_embeddings": 1}, "scale_word_embeddings"),
     ],
 )
 def test_invalid_config_names_field_and_value(overrides, field):
-    kw = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=37, vocab_size=99)
+    kw = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 37,
+          "vocab_size": 99}
     kw.update(overrides)
-    with pytest.raises(ValueError, match=field) as info:
+    with pytest.raises(ValueError, match=rf"BertImplConfig\.{field} must be") as info:
         BertImplConfig(**kw)
     value = overrides[field]
-    assert repr(value) in str(info.value) or f"({value})" in str(info.value)
+    assert f"got {value!r}" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("cls", [BertImplModel, BertImplForMaskedLM, BertImplForSequenceClassification])
+def test_coupled_checks_run_when_the_model_is_built(cls):
+    """As in transformers' BERT: a hidden size the head count does not divide, or a pad id outside the vocabulary, is
+    a valid config (transformers' ConfigTester builds BertConfig(hidden_size=37) with 12 heads) and an error naming
+    both values when a model is built from it."""
+    small = {"num_hidden_layers": 1, "intermediate_size": 37, "vocab_size": 99}
+    indivisible = BertImplConfig(hidden_size=30, num_attention_heads=4, **small)
+    with pytest.raises(ValueError, match=r"hidden_size \(30\) must be divisible by num_attention_heads \(4\)"):
+        cls(indivisible)
+    outside = BertImplConfig(hidden_size=32, num_attention_heads=4, pad_token_id=500, **small)
+    with pytest.raises(ValueError, match=r"pad_token_id must be an id in \[0, vocab_size=99\) or None, got 500"):
+        cls(outside)
+    assert BertImplConfig(hidden_size=32).num_attention_heads == 12  # constructs; the model would refuse it
+    fits = BertImplConfig(hidden_size=36, num_attention_heads=12, pad_token_id=98, **small)
+    assert cls(fits).config.hidden_size == 36
+
+
+@pytest.mark.parametrize("config_class", [BertImplConfig, "BertConfig"])
+def test_config_passes_the_config_tester_checks(config_class, tmp_path):
+    """What transformers' ConfigTester checks (its BERT test uses hidden_size=37 with the default 12 heads), with
+    transformers' BertConfig as the control."""
+    import json
+
+    from transformers import BertConfig
+
+    config_class = BertConfig if config_class == "BertConfig" else config_class
+    inputs = {"hidden_size": 37}
+    config = config_class(**inputs)
+    for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers"):
+        assert hasattr(config, name)
+        setattr(config, name, 5)  # settable, as ConfigTester's common properties must be
+        assert getattr(config, name) == 5
+    config = config_class(**inputs)
+    assert json.loads(config.to_json_string())["hidden_size"] == 37
+    config.to_json_file(tmp_path / "config.json")
+    assert config_class.from_json_file(tmp_path / "config.json").to_dict() == config.to_dict()
+    config.save_pretrained(tmp_path / "saved")
+    assert config_class.from_pretrained(tmp_path / "saved").to_dict() == config.to_dict()
+    config.num_labels = 5
+    assert len(config.id2label) == 5 and len(config.label2id) == 5
+    assert config_class().hidden_size == 768  # can be built without arguments
+    common = {"return_dict": False, "output_hidden_states": True, "output_attentions": True,
+              "problem_type": "regression", "id2label": {0: "a", 1: "b", 2: "c"}, "tie_word_embeddings": False}
+    built = config_class(**inputs, **common)
+    assert all(getattr(built, k) == v for k, v in common.items()), {k: getattr(built, k) for k in common}
+
+
+def test_old_config_with_retired_speed_fields_loads_without_them(debug_config, tmp_path):
+    """0.3-0.5 saved speed switches in config.json (`kernels`, `sparse_prediction`, `unpad_inputs`, `onednn_linear`).
+    Such a file loads; the fields are dropped (the speed layer is `hf_bert_impl.kernelize`), so the loaded model is
+    the plain one (full (b, s, V) logits with labels) and a new save does not carry them."""
+    import json
+
+    BertImplForMaskedLM(debug_config()).save_pretrained(tmp_path / "old")
+    saved = json.loads((tmp_path / "old" / "config.json").read_text())
+    retired = {"kernels": "onednn_linear,bits_dropout", "sparse_prediction": True, "unpad_inputs": True,
+               "onednn_linear": True}
+    (tmp_path / "old" / "config.json").write_text(json.dumps({**saved, **retired}))
+    config = BertImplConfig.from_pretrained(tmp_path / "old")
+    model = BertImplForMaskedLM.from_pretrained(tmp_path / "old").eval()
+    for loaded in (config, model.config):
+        assert not any(hasattr(loaded, name) for name in retired), [n for n in retired if hasattr(loaded, n)]
+    assert hf_bert_impl.kernelized(model) == {}
+    ids = torch.randint(5, 99, (2, 7))
+    assert model(ids, labels=ids).logits.shape == (2, 7, 99)
+    model.save_pretrained(tmp_path / "new")
+    assert not set(retired) & set(json.loads((tmp_path / "new" / "config.json").read_text()))
 
 
 def test_config_defaults_are_bert_base():
@@ -73,10 +141,11 @@ def _head_cases(config, input_ids, attention_mask, token_type_ids):
     b, s = input_ids.shape
     mlm_labels = torch.where(torch.rand(b, s) < 0.3, input_ids, torch.full_like(input_ids, -100))
     mlm_labels[0, 0] = input_ids[0, 0]
-    common = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    common = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
     mc = lambda t: t.unsqueeze(1).expand(-1, 3, -1).contiguous()  # noqa: E731  (b, s) -> (b, 3, s)
     return [
-        (BertImplModel, common, {"last_hidden_state": (b, s, config.hidden_size), "pooler_output": (b, config.hidden_size)}),
+        (BertImplModel, common,
+         {"last_hidden_state": (b, s, config.hidden_size), "pooler_output": (b, config.hidden_size)}),
         (BertImplForMaskedLM, {**common, "labels": mlm_labels}, {"logits": (b, s, config.vocab_size)}),
         (BertImplForPreTraining, {**common, "labels": mlm_labels, "next_sentence_label": torch.randint(0, 2, (b,))},
          {"prediction_logits": (b, s, config.vocab_size), "seq_relationship_logits": (b, 2)}),
@@ -137,7 +206,8 @@ def test_sequence_classification_problem_types(debug_config, batch, num_labels, 
     assert abs(out.loss.item() - want.item()) <= 1e-6
 
 
-@pytest.mark.parametrize("num_labels,problem_type", [(2, "single_label_classification"), (1, "regression"), (1, None), (3, None)])
+@pytest.mark.parametrize("num_labels,problem_type",
+                         [(2, "single_label_classification"), (1, "regression"), (1, None), (3, None)])
 def test_integer_labels_reach_the_loss_as_transformers_passes_them(debug_config, batch, num_labels, problem_type):
     """Integer labels are cast to float only for regression and multi-label problems (transformers' contract): with
     problem_type="single_label_classification" and one label they stay integer (0.3.6 cast them, and cross-entropy
@@ -150,7 +220,7 @@ def test_integer_labels_reach_the_loss_as_transformers_passes_them(debug_config,
     input_ids, attention_mask, _ = batch
     labels = torch.randint(0, num_labels, (13,))
 
-    def outcome(m):  # the loss, or the error transformers' loss raises (5.x refuses one-label single-label classification)
+    def outcome(m):  # the loss, or the error transformers' loss raises (5.x refuses one-label single-label)
         try:
             with torch.no_grad():
                 return round(m(input_ids, attention_mask=attention_mask, labels=labels).loss.item(), 6)
@@ -257,7 +327,7 @@ def test_output_attentions_are_real_probabilities_under_every_backend(debug_conf
     hf = to_hf_bert(base)
     hf.set_attn_implementation("eager")
     input_ids, attention_mask, token_type_ids = batch
-    kwargs = dict(attention_mask=attention_mask, token_type_ids=token_type_ids, output_attentions=True)
+    kwargs = {"attention_mask": attention_mask, "token_type_ids": token_type_ids, "output_attentions": True}
     with torch.no_grad():
         got = _with_backend(base, backend)(input_ids, **kwargs)
         want = hf(input_ids, **kwargs)
@@ -337,7 +407,7 @@ def test_sinusoidal_positions_extend_from_the_first_missing_row(debug_config):
 def test_bad_inputs_raise_value_error(debug_config, batch, case, match):
     model = BertImplForMaskedLM(debug_config()).eval()
     input_ids, attention_mask, token_type_ids = (t.clone() for t in batch)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
     if case == "id_too_large":
         input_ids[3, 2] = 99
     elif case == "id_negative":
@@ -349,11 +419,11 @@ def test_bad_inputs_raise_value_error(debug_config, batch, case, match):
     elif case == "token_type_shape":
         kwargs["token_type_ids"] = token_type_ids[:, :6]
     elif case == "embeds_token_type_shape":  # the shape comes from inputs_embeds
-        kwargs = dict(inputs_embeds=torch.zeros(13, 7, 32), token_type_ids=token_type_ids[:, :6])
+        kwargs = {"inputs_embeds": torch.zeros(13, 7, 32), "token_type_ids": token_type_ids[:, :6]}
     elif case == "both_inputs":
         kwargs["inputs_embeds"] = torch.zeros(13, 7, 32)
     elif case == "rank":
-        kwargs = dict(input_ids=input_ids[0])
+        kwargs = {"input_ids": input_ids[0]}
     with pytest.raises(ValueError, match=match):
         model(**kwargs)
 
@@ -364,9 +434,11 @@ def test_bad_inputs_raise_value_error(debug_config, batch, case, match):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_gradient_checkpointing_gives_same_gradients(debug_config, batch, dropout):
-    """With dropout on, the recomputed forward must redraw the same masks (checkpointing restores torch's CPU generator)."""
+    """With dropout on, the recomputed forward must redraw the same masks (checkpointing restores torch's CPU
+    generator)."""
     torch.manual_seed(0)
-    model = BertImplForMaskedLM(debug_config(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)).train()
+    config = debug_config(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    model = BertImplForMaskedLM(config).train()
     ckpt = copy.deepcopy(model)
     ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert ckpt.is_gradient_checkpointing and not model.is_gradient_checkpointing
@@ -412,8 +484,7 @@ def test_save_load_roundtrip_keeps_loaded_weights(debug_config, batch, tmp_path,
             p.add_(0.5)
     model.save_pretrained(tmp_path)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["checkpoint_bert_impl.py", "config.json", "configuration_bert_impl.py", "kernels_bert_impl.py",
-                     "model.safetensors", "modeling_bert_impl.py"]
+    assert names == ["config.json", "configuration_bert_impl.py", "model.safetensors", "modeling_bert_impl.py"]
     loaded = cls.from_pretrained(tmp_path).eval()
     for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(p, q), name

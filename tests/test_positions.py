@@ -14,6 +14,7 @@ import torch
 
 from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
 
+
 V, S, B, STEPS = 64, 32, 32, 150  # vocabulary (5 special ids), sequence, batch, optimizer steps
 UNIGRAM = math.log(V - 5)
 
@@ -38,14 +39,22 @@ def masked(x: torch.Tensor, seed: int):
 
 def held_out_loss_after_pretraining(**config_fields) -> float:
     torch.manual_seed(0)
-    config = BertImplConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                            max_position_embeddings=S, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                            **config_fields)
+    config = BertImplConfig(
+        vocab_size=V,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=S,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **config_fields,
+    )
     model = BertImplForMaskedLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     data = markov_corpus(STEPS * B, seed=1)
     for step in range(STEPS):
-        input_ids, labels = masked(data[step * B:(step + 1) * B], seed=step)
+        input_ids, labels = masked(data[step * B : (step + 1) * B], seed=step)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -64,7 +73,10 @@ def test_default_positions_learn_context_within_150_steps(learned_loss):
     """Measured 3.11 (default) against 4.08 (unigram) and 3.75 (learned): required at least 0.5 nats below the unigram
     loss and no worse than the learned table by more than 0.1 nats."""
     default = held_out_loss_after_pretraining()
-    print(f"held-out MLM loss after {STEPS} steps: default {default:.3f}, learned {learned_loss:.3f}, unigram {UNIGRAM:.3f}")
+    print(
+        f"held-out MLM loss after {STEPS} steps: default {default:.3f}, learned {learned_loss:.3f}, "
+        f"unigram {UNIGRAM:.3f}"
+    )
     assert default <= UNIGRAM - 0.5
     assert default <= learned_loss + 0.1
 
@@ -74,16 +86,27 @@ def test_scale_defaults_follow_the_position_type():
     assert BertImplConfig(hidden_size=64, num_attention_heads=4).word_embedding_scale == 8.0
     assert BertImplConfig(position_embedding_type="learned").word_embedding_scale == 1.0
     assert BertImplConfig(scale_word_embeddings=False).word_embedding_scale == 1.0
-    assert BertImplConfig(position_embedding_type="learned", scale_word_embeddings=True, hidden_size=64,
-                          num_attention_heads=4).word_embedding_scale == 8.0
+    assert (
+        BertImplConfig(
+            position_embedding_type="learned", scale_word_embeddings=True, hidden_size=64, num_attention_heads=4
+        ).word_embedding_scale
+        == 8.0
+    )
 
 
 def test_scaled_embeddings_start_at_unit_scale_and_enter_scaled():
     """Word embeddings scaled by √d start at normal(0, 1/√d), so scaled they are of unit scale like the encoding; the
     forward multiplies the looked-up rows (inputs_embeds too) by √d before the positions are added."""
     torch.manual_seed(0)
-    config = BertImplConfig(vocab_size=500, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertImplConfig(
+        vocab_size=500,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=37,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = BertImplForMaskedLM(config).eval()
     table = model.bert.embeddings.word_embeddings.weight
     assert abs(table[1:].std().item() * 8.0 - 1.0) < 0.02 and table[0].abs().max() == 0  # the pad row stays zero
@@ -102,7 +125,9 @@ def test_a_config_saved_without_the_field_loads_unscaled(tmp_path):
     """A config.json of 0.3.x (no scale_word_embeddings) computes as it did: unscaled."""
     import json
 
-    config = BertImplConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37)
+    config = BertImplConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37
+    )
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     saved.pop("scale_word_embeddings")

@@ -17,7 +17,8 @@ from hf_bert_impl import data as D
 from hf_bert_impl.budget import STATE_FILE, TimeBudget
 
 from .conftest import ListDataset
-from .test_scripts import FAST, load_script
+from .test_scripts import FAST, load_script, recomputed_accuracies
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,14 +30,16 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def blocks(tokenizer):
-    return D.tokenize_and_group(D.default_corpus_dataset()["train"].select(range(200)), tokenizer, 24, with_offsets=True)
+    return D.tokenize_and_group(
+        D.default_corpus_dataset()["train"].select(range(200)), tokenizer, 24, with_offsets=True
+    )
 
 
 def rows(blocks, n, drop=("offset_mapping",)):
     return [{k: v for k, v in blocks[i].items() if k not in drop} for i in range(n)]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # The collator
 
 
@@ -46,19 +49,23 @@ def test_processes_mask_their_slices_of_the_global_batch_as_one_process_does(tok
     drop = () if whole_word_mask else ("offset_mapping",)
     data = rows(blocks, 24, drop)
     one = D.MLMCollator(tokenizer, whole_word_mask=whole_word_mask, seed=7, max_length=24)
-    ranks = [D.MLMCollator(tokenizer, whole_word_mask=whole_word_mask, seed=7, rank=r, world_size=3, max_length=24)
-             for r in range(3)]
+    ranks = [
+        D.MLMCollator(tokenizer, whole_word_mask=whole_word_mask, seed=7, rank=r, world_size=3, max_length=24)
+        for r in range(3)
+    ]
     for k in range(2):
-        batch = data[12 * k: 12 * (k + 1)]
+        batch = data[12 * k : 12 * (k + 1)]
         whole = one(batch)
-        parts = [c(batch[4 * r: 4 * (r + 1)]) for r, c in enumerate(ranks)]
+        parts = [c(batch[4 * r : 4 * (r + 1)]) for r, c in enumerate(ranks)]
         for key in ("input_ids", "labels"):
             assert torch.equal(whole[key], torch.cat([p[key] for p in parts])), (k, key)
         assert (whole["labels"] != D.IGNORE_INDEX).any()
     # Not vacuous: another seed, or another batch number, masks differently.
     other = D.MLMCollator(tokenizer, whole_word_mask=whole_word_mask, seed=8, max_length=24)(data[:12])
-    assert not torch.equal(other["labels"], D.MLMCollator(tokenizer, whole_word_mask=whole_word_mask, seed=7,
-                                                          max_length=24)(data[:12])["labels"])
+    assert not torch.equal(
+        other["labels"],
+        D.MLMCollator(tokenizer, whole_word_mask=whole_word_mask, seed=7, max_length=24)(data[:12])["labels"],
+    )
 
 
 def test_masks_do_not_depend_on_the_padding_width(tokenizer):
@@ -79,7 +86,7 @@ def test_masks_do_not_depend_on_the_padding_width(tokenizer):
 def test_a_resumed_collator_masks_as_the_uninterrupted_one(tokenizer, blocks):
     data = rows(blocks, 40)
     straight = D.MLMCollator(tokenizer, seed=1, max_length=24)
-    expected = [straight(data[8 * k: 8 * (k + 1)])["input_ids"] for k in range(5)]
+    expected = [straight(data[8 * k : 8 * (k + 1)])["input_ids"] for k in range(5)]
     resumed = D.MLMCollator(tokenizer, seed=1, max_length=24)
     resumed.batches_made = 3
     assert torch.equal(resumed(data[24:32])["input_ids"], expected[3])
@@ -93,7 +100,7 @@ def test_the_masking_is_the_library_recipe(tokenizer, blocks):
     collate = D.MLMCollator(tokenizer, seed=0, max_length=24)
     ids = torch.tensor([r["input_ids"] for r in data])
     special = torch.tensor([r["special_tokens_mask"] for r in data]).bool()
-    out = [collate(data[i: i + 32]) for i in range(0, 160, 32)]
+    out = [collate(data[i : i + 32]) for i in range(0, 160, 32)]
     masked_ids, labels = torch.cat([o["input_ids"] for o in out]), torch.cat([o["labels"] for o in out])
     chosen = labels != D.IGNORE_INDEX
     n = int((~special).sum())
@@ -117,15 +124,16 @@ def test_the_collator_draws_as_data_collator_for_language_modeling_with_the_same
     key = int(np.random.SeedSequence([11, 0]).generate_state(1)[0])
     library = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     library.generator = torch.Generator().manual_seed(key)
-    batch = tokenizer.pad([{k: v for k, v in r.items()} for r in data], return_tensors="pt")
-    expected_ids, expected_labels = library.torch_mask_tokens(batch["input_ids"].clone(),
-                                                              special_tokens_mask=batch["special_tokens_mask"])
+    batch = tokenizer.pad([dict(r.items()) for r in data], return_tensors="pt")
+    expected_ids, expected_labels = library.torch_mask_tokens(
+        batch["input_ids"].clone(), special_tokens_mask=batch["special_tokens_mask"]
+    )
     got = ours(data)
     assert torch.equal(got["input_ids"], expected_ids) and torch.equal(got["labels"], expected_labels)
     assert (got["labels"][:2] == tokenizer.unk_token_id).any(), "no [UNK] was masked: the check above proves little"
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # TimeBudget on a fake clock: each optimizer step takes 1 s, each evaluation batch 10 s
 
 
@@ -161,12 +169,29 @@ def mlm_rows(n=64, seq=8, vocab=40):
 
 def budget_trainer(tmp_path, budget, clock, **kwargs):
     torch.manual_seed(0)
-    config = BertImplConfig.from_preset("debug", vocab_size=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=10**9, per_device_train_batch_size=4,
-                             per_device_eval_batch_size=16, learning_rate=1e-2, lr_scheduler_type="linear",
-                             logging_steps=1, report_to="none", use_cpu=True, disable_tqdm=True, **kwargs)
-    return Trainer(model=BertImplForMaskedLM(config), args=args, train_dataset=ListDataset(mlm_rows()),
-                   eval_dataset=ListDataset(mlm_rows(16)), callbacks=[Ticks(clock), budget])
+    config = BertImplConfig.from_preset(
+        "debug", vocab_size=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=10**9,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=16,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        **kwargs,
+    )
+    return Trainer(
+        model=BertImplForMaskedLM(config),
+        args=args,
+        train_dataset=ListDataset(mlm_rows()),
+        eval_dataset=ListDataset(mlm_rows(16)),
+        callbacks=[Ticks(clock), budget],
+    )
 
 
 def test_the_schedule_is_laid_over_time_and_training_stops_at_the_budget(tmp_path):
@@ -188,8 +213,9 @@ def test_the_schedule_is_laid_over_time_and_training_stops_at_the_budget(tmp_pat
 def test_warmup_in_steps_and_as_a_share_of_the_time(tmp_path):
     for warmup, expected in ((4, [0.0, 0.25 * 0.9, 0.5 * 0.8, 0.75 * 0.7]), (0.2, [0.0, 0.5 * 0.9, 0.8, 0.7])):
         clock = FakeClock()
-        trainer = budget_trainer(tmp_path / str(warmup), TimeBudget(10.0, clock=clock), clock, save_strategy="no",
-                                 warmup_steps=warmup)
+        trainer = budget_trainer(
+            tmp_path / str(warmup), TimeBudget(10.0, clock=clock), clock, save_strategy="no", warmup_steps=warmup
+        )
         trainer.train()
         rates = [h["learning_rate"] / 1e-2 for h in trainer.state.log_history if "loss" in h][:4]
         assert rates == pytest.approx(expected, abs=1e-6), warmup
@@ -205,8 +231,9 @@ def test_a_resumed_run_continues_the_clock_and_the_schedule(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoint-6"
     assert json.loads((checkpoint / STATE_FILE).read_text()) == {"training_seconds": 6.0}
     clock = FakeClock()
-    second = budget_trainer(tmp_path / "run", TimeBudget(10.0, resume_from=str(checkpoint), clock=clock), clock,
-                            save_strategy="no")
+    second = budget_trainer(
+        tmp_path / "run", TimeBudget(10.0, resume_from=str(checkpoint), clock=clock), clock, save_strategy="no"
+    )
     second.train(resume_from_checkpoint=str(checkpoint))
     assert second.state.global_step == 10
     rate = [h["learning_rate"] for h in second.state.log_history if "loss" in h]
@@ -224,13 +251,14 @@ def test_bad_budgets_are_refused():
         TimeBudget(5.0, eval_interval=0)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # The scripts
 
 
 def test_pretrain_mlm_time_budget_saves_a_loadable_model_and_its_card(tmp_path):
     """A 4-second budget, evaluations every 1.2 s of training time, an evaluation batch that does not divide the
-    held-out set (sparse predictions of the last batch must stay whole)."""
+    held-out set (sparse predictions of the last batch must stay whole: the masked accuracy is the one recomputed
+    from the saved model's predictions on every held-out block)."""
     from transformers import AutoModelForMaskedLM
 
     pretrain = load_script("pretrain_mlm")
@@ -238,57 +266,180 @@ def test_pretrain_mlm_time_budget_saves_a_loadable_model_and_its_card(tmp_path):
     (tmp_path / "train.txt").write_text("\n".join(texts[:60]) + "\n", encoding="utf-8")
     (tmp_path / "valid.txt").write_text("\n".join(texts[60:75]) + "\n", encoding="utf-8")
     out = tmp_path / "out"
-    metrics = pretrain.main([
-        "--output_dir", str(out), "--train_file", str(tmp_path / "train.txt"), "--validation_file",
-        str(tmp_path / "valid.txt"), "--model_size", "debug", "--max_seq_length", "32", "--tokenizer_vocab_size", "300",
-        "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "5", "--time_budget", str(4 / 60),
-        "--eval_every_minutes", str(1.2 / 60), "--warmup_steps", "0.1", "--save_strategy", "no", *FAST,
-    ])
+    metrics = pretrain.main(
+        [
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(tmp_path / "train.txt"),
+            "--validation_file",
+            str(tmp_path / "valid.txt"),
+            "--model_size",
+            "debug",
+            "--max_seq_length",
+            "32",
+            "--tokenizer_vocab_size",
+            "300",
+            "--per_device_train_batch_size",
+            "4",
+            "--per_device_eval_batch_size",
+            "5",
+            "--time_budget",
+            str(4 / 60),
+            "--eval_every_minutes",
+            str(1.2 / 60),
+            "--warmup_steps",
+            "0.1",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     facts = json.loads((out / "training_facts.json").read_text())
     seconds, steps = facts["metrics"]["training_seconds"], facts["hyperparameters"]["max_steps"]
-    assert 4.0 <= seconds < 30 and steps > 3 and facts["hyperparameters"]["time_budget_minutes"] == pytest.approx(4 / 60)
+    assert (
+        4.0 <= seconds < 30 and steps > 3 and facts["hyperparameters"]["time_budget_minutes"] == pytest.approx(4 / 60)
+    )
     evals = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_loss" in h]
     assert len(evals) >= 3 and all(a["training_seconds"] < b["training_seconds"] for a, b in zip(evals, evals[1:]))
-    assert 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
+    recomputed = recomputed_accuracies(out, tmp_path / "valid.txt", seed=5, max_seq_length=32, batch_size=5)
+    assert recomputed["positions"] > 20
+    assert metrics["eval_masked_accuracy"] == pytest.approx(recomputed["masked_accuracy"], abs=1e-12), recomputed
     assert "time_budget_minutes" in (out / "README.md").read_text()
-    model = AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True)
-    assert type(model).__name__ == "BertImplForMaskedLM" and model.config.sparse_prediction is False
+    model = AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True)  # the plain model: full logits
+    ids = torch.randint(5, 100, (2, 9))
+    assert type(model).__name__ == "BertImplForMaskedLM"
+    assert model(ids, labels=ids).logits.shape == (2, 9, model.config.vocab_size)
 
 
 def test_pretrain_mlm_refuses_a_bad_time_budget(tmp_path, capsys):
     from hf_bert_impl import cli
 
     pretrain = load_script("pretrain_mlm")
-    for flags, message in ((["--time_budget", "0"], "--time_budget must be a positive number of minutes, got 0.0"),
-                           (["--eval_every_minutes", "1"], "--eval_every_minutes needs --time_budget")):
+    for flags, message in (
+        (["--time_budget", "0"], "--time_budget must be a positive number of minutes, got 0.0"),
+        (["--eval_every_minutes", "1"], "--eval_every_minutes needs --time_budget"),
+    ):
         with pytest.raises(cli.UsageError, match=message):
             pretrain.main(["--output_dir", str(tmp_path), "--model_size", "debug", "--max_steps", "1", *flags, *FAST])
+
+
+def _seconds_to_reach(curve: list[dict], target: float) -> float | None:
+    """Training seconds at which a held-out loss curve first reaches `target`: numpy's linear interpolation between
+    the evaluation before (at 0 s the loss counts as infinite: the first point itself) and the first one at or
+    below."""
+    for i, point in enumerate(curve):
+        if point["eval_loss"] <= target:
+            if i == 0:
+                return point["seconds"]
+            before = curve[i - 1]
+            return float(
+                np.interp(target, [point["eval_loss"], before["eval_loss"]], [point["seconds"], before["seconds"]])
+            )
+    return None
+
+
+def _matthews(gold: list[int], predicted: list[int]) -> float:
+    """Matthews correlation of two binary label lists from the confusion counts (0 when a margin is empty)."""
+    pairs = list(zip(gold, predicted))
+    tp, tn = pairs.count((1, 1)), pairs.count((0, 0))
+    fp, fn = pairs.count((0, 1)), pairs.count((1, 0))
+    denominator = math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    return 0.0 if denominator == 0 else (tp * tn - fp * fn) / denominator
 
 
 @pytest.mark.slow
 def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
     """benchmark_pretraining.py on a debug model for 2 s per run: both curves, the collator cost, and the
-    step-for-step parity of ours (as transformers' BERT, from the same weights) with BertForMaskedLM at 1e-5."""
+    step-for-step parity of ours (kernelized as pretrain_mlm.py trains it, configured as transformers' BERT, from the
+    same weights) with BertForMaskedLM at 1e-5. Every verdict in the report is recomputed here from its raw numbers,
+    not read from the script: parity from the two per-step loss lists, the collator ratio from its milliseconds, the
+    per-seed summary from the held-out curves (its own interpolation), the fine-tuning scores from the recorded
+    predictions against the task's labels, and the exit status from those."""
     race = load_script("benchmark_pretraining")
-    code = race.main(["--budget", "2", "--evaluations", "2", "--seeds", "0", "--model_size", "debug",
-                      "--max_seq_length", "32", "--vocab_size", "400", "--parity_steps", "5", "--finetune_epochs", "0.05",
-                      "--out", str(tmp_path / "race")])
+    budget, steps, tolerance, cost_limit = 2.0, 5, 1e-5, 1.5  # cost_limit: the script's documented 1.5x
+    code = race.main(
+        [
+            "--budget",
+            str(budget),
+            "--evaluations",
+            "2",
+            "--seeds",
+            "0",
+            "--model_size",
+            "debug",
+            "--max_seq_length",
+            "32",
+            "--vocab_size",
+            "400",
+            "--parity_steps",
+            str(steps),
+            "--finetune_epochs",
+            "0.05",
+            "--out",
+            str(tmp_path / "race"),
+        ]
+    )
     report = json.loads((tmp_path / "race.json").read_text())
     assert (tmp_path / "race.png").stat().st_size > 10_000
-    assert report["parity"]["passed"] and report["parity"]["max_abs_loss_difference"] <= 1e-5
-    losses = report["parity"]["losses"]["transformers"]
-    assert max(losses) - min(losses) > 0.01, "a flat loss curve proves little"
-    for name in ("ours", "transformers"):
-        curve = report["runs"][name][0]["curve"]
-        assert len(curve) >= 2 and curve[-1]["seconds"] >= 2.0 and all(math.isfinite(p["eval_loss"]) for p in curve)
-        assert 0.0 <= report["runs"][name][0]["finetune"]["accuracy"] <= 1.0
-    assert report["collator_cost"]["ratio"] > 0 and report["summary"]["per_seed"][0]["seed"] == 0
-    assert code == (1 if report["collator_cost"]["ratio"] > race.COLLATOR_COST_LIMIT else 0)
+
+    losses = report["parity"]["losses"]
+    assert len(losses["ours"]) == len(losses["transformers"]) == steps
+    worst = max(abs(a - b) for a, b in zip(losses["ours"], losses["transformers"]))
+    print(f"parity over {steps} steps: max |loss difference| {worst:.2e}")
+    assert worst <= tolerance and report["parity"]["max_abs_loss_difference"] == worst
+    assert report["parity"]["passed"] is True and report["parity"]["tolerance"] == tolerance
+    assert max(losses["transformers"]) - min(losses["transformers"]) > 0.01, "a flat loss curve proves little"
+
+    cost = report["collator_cost"]
+    assert cost["ours_ms"] > 0 and cost["library_ms"] > 0
+    assert cost["ratio"] == pytest.approx(cost["ours_ms"] / cost["library_ms"], rel=1e-12)
+    assert code == (1 if cost["ours_ms"] / cost["library_ms"] > cost_limit else 0)  # parity passed above
+
+    ours, theirs = report["runs"]["ours"][0], report["runs"]["transformers"][0]
+    for run in (ours, theirs):
+        curve = run["curve"]
+        assert len(curve) >= 2 and curve[-1]["seconds"] >= budget and all(math.isfinite(p["eval_loss"]) for p in curve)
+        assert all(a["seconds"] < b["seconds"] and a["step"] < b["step"] for a, b in zip(curve, curve[1:]))
+        assert curve[-1]["step"] == run["steps"]  # the last evaluation is at the end of training
+    target = theirs["curve"][-1]["eval_loss"]
+    reach = _seconds_to_reach(ours["curve"], target)
+    row = report["summary"]["per_seed"][0]
+    assert row["seed"] == 0 and (row["ours_steps"], row["transformers_steps"]) == (ours["steps"], theirs["steps"])
+    assert (row["ours_final_loss"], row["transformers_final_loss"]) == (ours["curve"][-1]["eval_loss"], target)
+    assert report["summary"]["ours_lower_final_loss_every_seed"] is (ours["curve"][-1]["eval_loss"] < target)
+    assert report["summary"]["mean_final_loss"] == {"ours": ours["curve"][-1]["eval_loss"], "transformers": target}
+    if reach is None:
+        assert row["ours_seconds_to_transformers_final_loss"] is None and row["share_of_budget"] is None
+    else:
+        assert row["ours_seconds_to_transformers_final_loss"] == pytest.approx(reach, rel=1e-9)
+        assert row["share_of_budget"] == pytest.approx(reach / budget, rel=1e-9)
+        assert report["summary"]["worst_share_of_budget"] == pytest.approx(reach / budget, rel=1e-9)
+
+    gold = D.statement_topic_task(seed=0)["test"]["label"]
+    for run in (ours, theirs):
+        scores = run["finetune"]
+        assert len(scores["predicted"]) == scores["test_sentences"] == len(gold)
+        assert set(scores["predicted"]) <= {0, 1}
+        hits = sum(p == g for p, g in zip(scores["predicted"], gold))
+        assert scores["accuracy"] == pytest.approx(hits / len(gold), abs=1e-12)
+        assert scores["mcc"] == pytest.approx(_matthews(gold, scores["predicted"]), abs=1e-9)
+
+    # ours ran with the speed layer, as pretrain_mlm.py applies it; its choices are in the report
+    assert report["kernels"]["setting"] == "auto" and report["kernels"]["chosen"]
+    facts = ours["kernels"]
+    assert facts["setting"] == "auto" and facts["sparse_prediction"] is True
+    assert facts["modules"]["_sparse_mlm_logits_and_loss"] == 1 and facts["modules"]["_linear_forward"] > 0
+    assert all(report["kernels"]["chosen"][key] == name for key, name in facts["chosen"].items())
 
 
 def test_time_to_reach_interpolates_between_evaluations():
     race = load_script("benchmark_pretraining")
-    curve = [{"seconds": 10.0, "eval_loss": 8.0}, {"seconds": 20.0, "eval_loss": 6.0}, {"seconds": 30.0, "eval_loss": 5.0}]
+    curve = [
+        {"seconds": 10.0, "eval_loss": 8.0},
+        {"seconds": 20.0, "eval_loss": 6.0},
+        {"seconds": 30.0, "eval_loss": 5.0},
+    ]
     assert race.time_to_reach(curve, 7.0) == pytest.approx(15.0)
     assert race.time_to_reach(curve, 9.0) == pytest.approx(10.0)
     assert race.time_to_reach(curve, 4.0) is None

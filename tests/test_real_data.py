@@ -13,7 +13,12 @@ import datasets
 import pytest
 import torch
 
-from tests.test_scripts import FAST, files, finetune, pretrain, read_jsonl, write_jsonl  # noqa: F401 (fixtures)
+from tests import test_scripts
+from tests.test_scripts import FAST, read_jsonl, write_jsonl
+
+
+files, finetune, pretrain = test_scripts.files, test_scripts.finetune, test_scripts.pretrain  # the shared fixtures
+
 
 SENTENCES = [
     "the with statement wraps a block", "a class defines a new type", "import binds a module name",
@@ -26,16 +31,22 @@ def hub_layout(root, splits: dict, pair: bool = True):
     """A dataset directory as the Hub stores one: data/{split}-00000-of-00001.parquet with ClassLabel labels."""
     features = {"premise": datasets.Value("string"), "hypothesis": datasets.Value("string")} if pair else \
         {"sentence": datasets.Value("string")}
-    features = datasets.Features({**features, "label": datasets.ClassLabel(names=["entailment", "neutral", "contradiction"])})
+    features = datasets.Features(
+        {**features, "label": datasets.ClassLabel(names=["entailment", "neutral", "contradiction"])}
+    )
     (root / "data").mkdir(parents=True)
     for split, labels in splits.items():
         rows = {"label": labels}
         if pair:
-            rows.update(premise=[SENTENCES[i % 8] for i in range(len(labels))],
-                        hypothesis=[SENTENCES[(3 * i + 1) % 8] for i in range(len(labels))])
+            rows.update(
+                premise=[SENTENCES[i % 8] for i in range(len(labels))],
+                hypothesis=[SENTENCES[(3 * i + 1) % 8] for i in range(len(labels))],
+            )
         else:
             rows.update(sentence=[SENTENCES[i % 8] for i in range(len(labels))])
-        datasets.Dataset.from_dict(rows, features=features).to_parquet(root / "data" / f"{split}-00000-of-00001.parquet")
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(
+            root / "data" / f"{split}-00000-of-00001.parquet"
+        )
     return root
 
 
@@ -43,11 +54,27 @@ def test_glue_test_split_with_placeholder_labels_gets_predictions_only(finetune,
     """GLUE's test splits carry the ClassLabel placeholder -1. The script used to map it through
     names[-1] (the last class) and report test_* metrics against it; now the split is predicted and
     never scored, and training_facts.json and the model card say so."""
-    data = hub_layout(tmp_path / "glue_like", {"train": [0, 1, 2, 0, 1, 2, 0, 1], "validation": [0, 1, 2, 2],
-                                                "test": [-1] * 5}, pair=False)
+    data = hub_layout(
+        tmp_path / "glue_like",
+        {"train": [0, 1, 2, 0, 1, 2, 0, 1], "validation": [0, 1, 2, 2], "test": [-1] * 5},
+        pair=False,
+    )
     out = tmp_path / "out"
-    metrics = finetune.main(["--model_name_or_path", str(files / "mlm"), "--dataset_name", str(data),
-                             "--output_dir", str(out), "--max_steps", "2", "--save_strategy", "no", *FAST])
+    metrics = finetune.main(
+        [
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     assert "eval_accuracy" in metrics
     assert not [k for k in metrics if k.startswith("test_")], metrics
     facts = json.loads((out / "training_facts.json").read_text())
@@ -62,28 +89,80 @@ def test_glue_test_split_with_placeholder_labels_gets_predictions_only(finetune,
 
 def test_mnli_split_names_are_evaluated(finetune, files, tmp_path):
     """MNLI: validation_matched is the evaluation split (Trainer's eval_*), validation_mismatched is
-    reported beside it, test_matched / test_mismatched (-1 labels) get predictions only."""
-    data = hub_layout(tmp_path / "mnli_like", {
-        "train": [0, 1, 2, 0, 1, 2, 0, 1], "validation_matched": [0, 1, 2], "validation_mismatched": [2, 1, 0, 0],
-        "test_matched": [-1, -1, -1], "test_mismatched": [-1, -1]})
+    reported beside it (its accuracy is the saved model's, recomputed here on its rows), test_matched /
+    test_mismatched (-1 labels) get predictions only."""
+    data = hub_layout(
+        tmp_path / "mnli_like",
+        {
+            "train": [0, 1, 2, 0, 1, 2, 0, 1],
+            "validation_matched": [0, 1, 2],
+            "validation_mismatched": [2, 1, 0, 0],
+            "test_matched": [-1, -1, -1],
+            "test_mismatched": [-1, -1],
+        },
+    )
     out = tmp_path / "out"
-    metrics = finetune.main(["--model_name_or_path", str(files / "mlm"), "--dataset_name", str(data),
-                             "--output_dir", str(out), "--max_steps", "2", "--save_strategy", "no", *FAST])
+    metrics = finetune.main(
+        [
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     assert "eval_accuracy" in metrics and not [k for k in metrics if k.startswith("test")]
     facts = json.loads((out / "training_facts.json").read_text())
     assert facts["dataset_split"] == "validation_matched"
     mismatched = facts["other_split_metrics"]
-    assert 0.0 <= mismatched["validation_mismatched_accuracy"] <= 1.0 and "validation_mismatched_loss" in mismatched
+    assert "validation_mismatched_loss" in mismatched
+    rows = datasets.load_dataset(str(data), split="validation_mismatched")
+    assert mismatched["validation_mismatched_accuracy"] == pytest.approx(_saved_model_accuracy(out, rows), abs=1e-12)
     assert set(facts["unlabeled_splits"]) == {"test_matched", "test_mismatched"}
     assert len(read_jsonl(out / "predictions.jsonl")) == 3
     assert len(read_jsonl(out / "predictions_test_mismatched.jsonl")) == 2
     assert "validation_mismatched_accuracy" in (out / "README.md").read_text()
 
 
+def _saved_model_accuracy(out, rows) -> float:
+    """Accuracy of the classifier saved in `out` on premise / hypothesis rows, computed here: the saved weights with
+    the speed layer, as the script evaluated them; argmax against the ClassLabel ids."""
+    from transformers import AutoTokenizer
+
+    from hf_bert_impl import BertImplForSequenceClassification, kernelize
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = kernelize(BertImplForSequenceClassification.from_pretrained(out).eval())
+    enc = tokenizer(
+        list(rows["premise"]), list(rows["hypothesis"]), padding=True, truncation=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        predicted = model(**enc).logits.argmax(-1).tolist()
+    return sum(p == g for p, g in zip(predicted, list(rows["label"]))) / len(rows)
+
+
 def test_some_placeholder_labels_among_real_ones_is_a_usage_error(finetune, files, tmp_path, monkeypatch, capsys):
     data = hub_layout(tmp_path / "holes", {"train": [0, 1, -1, 2, 0, 1], "validation": [0, 1]}, pair=False)
-    monkeypatch.setattr(sys, "argv", ["finetune.py", "--model_name_or_path", str(files / "mlm"), "--dataset_name",
-                                      str(data), "--output_dir", str(tmp_path / "o"), *FAST])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "finetune.py",
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+            *FAST,
+        ],
+    )
     capsys.readouterr()
     assert finetune.cli.run_cli(finetune.main) == 2
     err = capsys.readouterr().err.strip()  # datasets' "Generating ... split" progress bars, then the error
@@ -121,9 +200,23 @@ def _ner_rows():
 def test_token_classification_reports_entity_scores(finetune, files, tmp_path):
     rows = _ner_rows()
     train, dev = write_jsonl(tmp_path / "ner.jsonl", rows), write_jsonl(tmp_path / "dev.jsonl", rows[:4])
-    metrics = finetune.main(["--model_name_or_path", str(files / "mlm"), "--output_dir", str(tmp_path / "ner"),
-                             "--train_file", str(train), "--validation_file", str(dev), "--max_steps", "2",
-                             "--save_strategy", "no", *FAST])
+    metrics = finetune.main(
+        [
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--output_dir",
+            str(tmp_path / "ner"),
+            "--train_file",
+            str(train),
+            "--validation_file",
+            str(dev),
+            "--max_steps",
+            "2",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     assert {"eval_accuracy", "eval_precision", "eval_recall", "eval_f1"} <= set(metrics)
     assert "eval_f1_macro" not in metrics
 
@@ -135,7 +228,9 @@ def test_pack_sequences_gives_the_padded_runs_loss(finetune, files, tmp_path):
 
     from hf_bert_impl import BertImplForMaskedLM
 
-    model = BertImplForMaskedLM.from_pretrained(files / "mlm", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertImplForMaskedLM.from_pretrained(
+        files / "mlm", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    )
     model.save_pretrained(tmp_path / "no_dropout")
     AutoTokenizer.from_pretrained(files / "mlm").save_pretrained(tmp_path / "no_dropout")
     rows = _ner_rows()
@@ -143,10 +238,31 @@ def test_pack_sequences_gives_the_padded_runs_loss(finetune, files, tmp_path):
     losses = {}
     for name, extra in (("padded", []), ("packed", ["--pack_sequences"])):
         out = tmp_path / name
-        finetune.main(["--model_name_or_path", str(tmp_path / "no_dropout"), "--output_dir", str(out), "--train_file", str(train),
-                       "--max_steps", "1", "--per_device_train_batch_size", "12", "--learning_rate", "0",
-                       "--save_strategy", "no", "--task_type", "token", *FAST, *extra])
-        losses[name] = [h["loss"] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+        finetune.main(
+            [
+                "--model_name_or_path",
+                str(tmp_path / "no_dropout"),
+                "--output_dir",
+                str(out),
+                "--train_file",
+                str(train),
+                "--max_steps",
+                "1",
+                "--per_device_train_batch_size",
+                "12",
+                "--learning_rate",
+                "0",
+                "--save_strategy",
+                "no",
+                "--task_type",
+                "token",
+                *FAST,
+                *extra,
+            ]
+        )
+        losses[name] = [
+            h["loss"] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h
+        ]
     assert losses["packed"] == pytest.approx(losses["padded"], abs=1e-5), losses
 
 
@@ -160,8 +276,17 @@ def test_finetune_resume_from_checkpoint_true_takes_the_latest_checkpoint(finetu
     rows = [{"sentence": s, "label": i % 2} for i, s in enumerate(SENTENCES)]
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     out = tmp_path / "cls"
-    common = ["--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(train),
-              "--per_device_train_batch_size", "4", *FAST]
+    common = [
+        "--model_name_or_path",
+        str(files / "mlm"),
+        "--output_dir",
+        str(out),
+        "--train_file",
+        str(train),
+        "--per_device_train_batch_size",
+        "4",
+        *FAST,
+    ]
     finetune.main([*common, "--max_steps", "2", "--save_steps", "1"])
     assert (out / "checkpoint-2").is_dir()
     finetune.main([*common, "--max_steps", "3", "--save_strategy", "no", "--resume_from_checkpoint", "true"])
@@ -178,39 +303,77 @@ def _run_cli(script, argv, monkeypatch, capsys):
     return code, capsys.readouterr().err.strip()
 
 
-@pytest.mark.parametrize("extra, problem", [
-    (["--streaming"], "--streaming needs --max_steps"),
-    (["--streaming", "--max_steps", "2", "--nsp"], "--streaming supports MLM"),
-    (["--pack_sequences", "--nsp"], "--pack_sequences packs MLM sequences"),
-    (["--pack_sequences", "--whole_word_mask"], "--pack_sequences cannot be combined with --whole_word_mask"),
-    (["--pack_sequences", "--static_masking"], "--pack_sequences masks per batch"),
-    (["--tokenizer_train_samples", "0"], "--tokenizer_train_samples must be a positive integer, got 0"),
-    (["--resume_from_checkpoint", "true"], "--resume_from_checkpoint true: no checkpoint-* directory"),
-    (["--resume_from_checkpoint", "nowhere"], "--resume_from_checkpoint nowhere: no such directory"),
-    (["--dataset_name", "DATA"], "--dataset_name"),
-])
-def test_pretrain_bad_flag_values_are_one_line_usage_errors(pretrain, files, tmp_path, monkeypatch, capsys, extra, problem):
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        (["--streaming"], "--streaming needs --max_steps"),
+        (["--streaming", "--max_steps", "2", "--nsp"], "--streaming supports MLM"),
+        (["--pack_sequences", "--nsp"], "--pack_sequences packs MLM sequences"),
+        (["--pack_sequences", "--whole_word_mask"], "--pack_sequences cannot be combined with --whole_word_mask"),
+        (["--pack_sequences", "--static_masking"], "--pack_sequences masks per batch"),
+        (["--tokenizer_train_samples", "0"], "--tokenizer_train_samples must be a positive integer, got 0"),
+        (["--resume_from_checkpoint", "true"], "--resume_from_checkpoint true: no checkpoint-* directory"),
+        (["--resume_from_checkpoint", "nowhere"], "--resume_from_checkpoint nowhere: no such directory"),
+        (["--dataset_name", "DATA"], "--dataset_name"),
+        (["--kernels", "fastest"], "--kernels: kernels must be 'auto', 'reference' or kernel names"),
+    ],
+)
+def test_pretrain_bad_flag_values_are_one_line_usage_errors(
+    pretrain, files, tmp_path, monkeypatch, capsys, extra, problem
+):
     """Includes --dataset_name together with --train_file, which ended in an UnboundLocalError traceback."""
     data = hub_layout(tmp_path / "data", {"train": [0, 1]}, pair=False)
     extra = [str(data) if e == "DATA" else e for e in extra]
-    code, err = _run_cli(pretrain, ["--output_dir", str(tmp_path / "o"), "--train_file", str(files / "train.txt"),
-                                    "--model_size", "debug", *FAST, *extra], monkeypatch, capsys)
+    code, err = _run_cli(
+        pretrain,
+        [
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--train_file",
+            str(files / "train.txt"),
+            "--model_size",
+            "debug",
+            *FAST,
+            *extra,
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2 and len(err.splitlines()) == 1 and problem in err, err
     if "DATA" in extra or str(data) in extra:
         assert "exclusive" in err
 
 
-@pytest.mark.parametrize("extra, problem", [
-    (["--pack_sequences"], "--pack_sequences needs token classification"),
-    (["--resume_from_checkpoint", "true"], "--resume_from_checkpoint true: no checkpoint-* directory"),
-    (["--dataset_name", "DATA"], "exclusive"),
-])
-def test_finetune_bad_flag_values_are_one_line_usage_errors(finetune, files, tmp_path, monkeypatch, capsys, extra, problem):
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        (["--pack_sequences"], "--pack_sequences needs token classification"),
+        (["--resume_from_checkpoint", "true"], "--resume_from_checkpoint true: no checkpoint-* directory"),
+        (["--dataset_name", "DATA"], "exclusive"),
+        (["--kernels", "onednn_linear,fastest"], "got 'onednn_linear,fastest'"),
+    ],
+)
+def test_finetune_bad_flag_values_are_one_line_usage_errors(
+    finetune, files, tmp_path, monkeypatch, capsys, extra, problem
+):
     data = hub_layout(tmp_path / "data", {"train": [0, 1]}, pair=False)
     train = write_jsonl(tmp_path / "train.jsonl", [{"sentence": s, "label": i % 2} for i, s in enumerate(SENTENCES)])
     extra = [str(data) if e == "DATA" else e for e in extra]
-    code, err = _run_cli(finetune, ["--model_name_or_path", str(files / "mlm"), "--output_dir", str(tmp_path / "o"),
-                                    "--train_file", str(train), *FAST, *extra], monkeypatch, capsys)
+    code, err = _run_cli(
+        finetune,
+        [
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--train_file",
+            str(train),
+            *FAST,
+            *extra,
+        ],
+        monkeypatch,
+        capsys,
+    )
     assert code == 2 and len(err.splitlines()) == 1 and problem in err, err
 
 
@@ -237,7 +400,8 @@ def test_streamed_blocks_equal_the_loaded_ones(files):
 def test_pretrain_streaming_from_local_files(pretrain, files, tmp_path, fmt):
     """--streaming on a text / JSON lines / parquet file: IterableDataset input, tokenizer trained from the
     stream's first --tokenizer_train_samples texts, blocks packed as they stream in; the run writes a
-    complete model directory and its checkpoint config keeps full logits."""
+    complete model directory, and its checkpoint (written while the model trains kernelized) is the plain
+    model: no speed-layer field in its config, full logits."""
     texts = (files / "train.txt").read_text().splitlines()
     path = tmp_path / f"corpus.{fmt}"
     if fmt == "txt":
@@ -247,12 +411,35 @@ def test_pretrain_streaming_from_local_files(pretrain, files, tmp_path, fmt):
     else:
         datasets.Dataset.from_dict({"text": texts}).to_parquet(path)
     out = tmp_path / "out"
-    pretrain.main(["--output_dir", str(out), "--train_file", str(path), "--streaming", "--max_steps", "3",
-                   "--save_steps", "2", "--model_size", "debug", "--max_seq_length", "32", "--tokenizer_vocab_size", "300",
-                   "--tokenizer_train_samples", "60", "--per_device_train_batch_size", "4", *FAST])
+    pretrain.main(
+        [
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(path),
+            "--streaming",
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "2",
+            "--model_size",
+            "debug",
+            "--max_seq_length",
+            "32",
+            "--tokenizer_vocab_size",
+            "300",
+            "--tokenizer_train_samples",
+            "60",
+            "--per_device_train_batch_size",
+            "4",
+            *FAST,
+        ]
+    )
     facts = json.loads((out / "training_facts.json").read_text())
     assert facts["hyperparameters"]["streaming"] is True and facts["hyperparameters"]["max_steps"] == 3
-    assert json.loads((out / "checkpoint-2" / "config.json").read_text())["sparse_prediction"] is False
+    checkpoint_config = json.loads((out / "checkpoint-2" / "config.json").read_text())
+    assert "sparse_prediction" not in checkpoint_config and "kernels" not in checkpoint_config
+    assert facts["kernels"]["sparse_prediction"] is True  # the training ran with sparse prediction
     from hf_bert_impl import BertImplForMaskedLM
 
     model = BertImplForMaskedLM.from_pretrained(out / "checkpoint-2")
@@ -275,7 +462,26 @@ def test_pretrain_pack_sequences(pretrain, files, tmp_path):
     assert batch["position_ids"][0].tolist() == [p for n in lengths for p in range(n)]
     assert (batch["labels"] != -100).sum() > 0
     out = tmp_path / "packed"
-    pretrain.main(["--output_dir", str(out), "--train_file", str(files / "train.txt"), "--pack_sequences",
-                   "--max_steps", "2", "--model_size", "debug", "--max_seq_length", "32", "--tokenizer_vocab_size", "300",
-                   "--per_device_train_batch_size", "4", "--save_strategy", "no", *FAST])
+    pretrain.main(
+        [
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(files / "train.txt"),
+            "--pack_sequences",
+            "--max_steps",
+            "2",
+            "--model_size",
+            "debug",
+            "--max_seq_length",
+            "32",
+            "--tokenizer_vocab_size",
+            "300",
+            "--per_device_train_batch_size",
+            "4",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     assert json.loads((out / "training_facts.json").read_text())["hyperparameters"]["pack_sequences"] is True

@@ -1,6 +1,7 @@
 """The command-line scripts end to end on tiny local data: pretrain_mlm.py, finetune.py (sequence
-pairs, regression, token classification, early stopping), demo_reload.py, and bad input files that
-must stop before any training with a one-line message and a non-zero exit.
+pairs, regression, token classification, early stopping), demo_reload.py, the speed layer the scripts
+apply (`--kernels`) and the plain model they save, and bad input files that must stop before any
+training with a one-line message and a non-zero exit.
 
 The scripts run in this process through their `main(argv)` / `cli.run_cli(main)` (an interpreter start costs
 seconds on this machine); one test per script runs the real command line in a subprocess."""
@@ -11,13 +12,18 @@ import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
+from hf_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining, kernelize, kernelized
+from hf_bert_impl import data as D
 from hf_bert_impl.data import default_corpus_dataset, statement_topic_task, train_wordpiece_tokenizer, word_order_task
+from hf_bert_impl.hub import CODE_FILES
+from hf_bert_impl.saving import STAGING_PREFIX
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"
@@ -69,15 +75,74 @@ def write_jsonl(path, rows):
 
 
 def assert_hub_directory(out: Path, architecture: str):
-    """Weights, config with auto_map for the head, the three code files, a tokenizer, facts, PNG, card."""
+    """Weights, config with auto_map for the head, the Hub code files (the plain model only: no kernel file), a
+    tokenizer, training_args.bin, facts, PNG, card; no field of the speed layer in the config, no staging folder
+    left."""
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "bert_impl" and config["architectures"] == [architecture]
     assert config["auto_map"]["AutoConfig"] == "configuration_bert_impl.BertImplConfig"
-    for name in ("model.safetensors", "checkpoint_bert_impl.py", "configuration_bert_impl.py", "kernels_bert_impl.py", "modeling_bert_impl.py",
-                 "tokenizer.json", "tokenizer_config.json", "training_facts.json", "loss_curve.png", "README.md"):
+    assert "kernels" not in config and "sparse_prediction" not in config, sorted(config)
+    for name in (
+        "model.safetensors",
+        *CODE_FILES,
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "training_args.bin",
+        "training_facts.json",
+        "loss_curve.png",
+        "README.md",
+    ):
         assert (out / name).is_file(), f"{name} missing from {out}"
+    assert sorted(p.name for p in out.glob("*_bert_impl.py")) == sorted(CODE_FILES)
+    assert not list(out.glob(STAGING_PREFIX + "*")), "a staging folder was left behind"
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return config, json.loads((out / "training_facts.json").read_text())
+
+
+def recomputed_accuracies(
+    out: Path,
+    validation_file: Path,
+    *,
+    seed: int,
+    max_seq_length: int,
+    batch_size: int = 8,
+    whole_word_mask: bool = False,
+    nsp: bool = False,
+) -> dict:
+    """The held-out accuracies of the model saved in `out`, recomputed here, outside the script's metric code: its
+    validation file cut into blocks (pairs with `nsp`) and masked once with seed + 1 as pretrain_mlm.py does, the
+    saved weights kernelized as the script evaluated them (auto, sparse prediction; the choices of this process) in
+    its evaluation batches, argmax against the labels. Returns the accuracies and the number of masked positions."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    texts = D.load_data_files(validation_file=str(validation_file))["validation"]
+    blocks = (
+        D.nsp_examples(texts, tokenizer, max_seq_length, seed)
+        if nsp
+        else D.tokenize_and_group(texts, tokenizer, max_seq_length, with_offsets=whole_word_mask)
+    )
+    held_out = D.mask_once(blocks, tokenizer, seed + 1, 0.15, whole_word_mask)
+    model = (BertImplForPreTraining if nsp else BertImplForMaskedLM).from_pretrained(out).eval()
+    kernelize(model, "auto", sparse_prediction=True)
+    collate = D.MLMCollator(tokenizer)  # examples masked once already: only padded
+    hits = positions = pair_hits = 0
+    for start in range(0, len(held_out), batch_size):
+        batch = collate([held_out[i] for i in range(start, min(start + batch_size, len(held_out)))])
+        with torch.no_grad():
+            output = model(**batch)
+        labelled = batch["labels"] != D.IGNORE_INDEX
+        predicted = (output.prediction_logits if nsp else output.logits).argmax(-1)
+        if predicted.shape == labelled.shape:  # full (b, s) logits; sparse ones are already one row per label
+            predicted = predicted[labelled]
+        hits += int((predicted == batch["labels"][labelled]).sum())
+        positions += int(labelled.sum())
+        if nsp:
+            pair_hits += int((output.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum())
+    result = {"masked_accuracy": hits / positions, "positions": positions}
+    if nsp:
+        result["nsp_accuracy"] = pair_hits / len(held_out)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,17 +151,39 @@ def assert_hub_directory(out: Path, architecture: str):
 
 def test_pretrain_mlm_writes_a_complete_hub_directory(pretrain, files, tmp_path):
     """MLM with whole-word masking on a local txt file, a WordPiece trained on it, evaluation on a
-    validation file: masked accuracy in [0, 1], perplexity = exp(eval_loss), the card names them,
-    and the directory loads with AutoModelForMaskedLM + trust_remote_code."""
+    validation file: the masked accuracy is the one recomputed from the saved model's predictions on
+    the held-out blocks, perplexity = exp(eval_loss), the card names them, and the directory loads
+    with AutoModelForMaskedLM + trust_remote_code."""
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
     out = tmp_path / "mlm"
-    metrics = pretrain.main([
-        "--output_dir", str(out), "--train_file", str(files / "train.txt"), "--validation_file", str(files / "valid.txt"),
-        "--model_size", "debug", "--max_seq_length", "32", "--tokenizer_vocab_size", "300", "--whole_word_mask",
-        "--max_steps", "4", "--per_device_train_batch_size", "4", "--save_strategy", "no", *FAST,
-    ])
-    assert 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
+    metrics = pretrain.main(
+        [
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(files / "train.txt"),
+            "--validation_file",
+            str(files / "valid.txt"),
+            "--model_size",
+            "debug",
+            "--max_seq_length",
+            "32",
+            "--tokenizer_vocab_size",
+            "300",
+            "--whole_word_mask",
+            "--max_steps",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
+    recomputed = recomputed_accuracies(out, files / "valid.txt", seed=5, max_seq_length=32, whole_word_mask=True)
+    assert recomputed["positions"] > 50
+    assert metrics["eval_masked_accuracy"] == pytest.approx(recomputed["masked_accuracy"], abs=1e-12), recomputed
     assert math.isclose(metrics["perplexity"], math.exp(metrics["eval_loss"]), rel_tol=1e-9)
     config, facts = assert_hub_directory(out, "BertImplForMaskedLM")
     assert facts["task"] == "fill-mask" and facts["dataset"] == "train.txt" and facts["base_model"] is None
@@ -113,14 +200,36 @@ def test_pretrain_mlm_writes_a_complete_hub_directory(pretrain, files, tmp_path)
 
 
 def test_pretrain_with_next_sentence_prediction(pretrain, files, tmp_path):
-    """--nsp trains BertImplForPreTraining on sentence pairs and reports the NSP accuracy."""
+    """--nsp trains BertImplForPreTraining on sentence pairs and reports the NSP and masked accuracies: those
+    recomputed from the saved model's predictions on the held-out pairs."""
     out = tmp_path / "nsp"
-    metrics = pretrain.main([
-        "--output_dir", str(out), "--train_file", str(files / "train.txt"), "--validation_file", str(files / "valid.txt"),
-        "--tokenizer_name", str(files / "mlm"), "--model_size", "debug", "--max_seq_length", "48", "--nsp",
-        "--max_steps", "3", "--per_device_train_batch_size", "4", "--save_strategy", "no", *FAST,
-    ])
-    assert 0.0 <= metrics["eval_nsp_accuracy"] <= 1.0 and 0.0 <= metrics["eval_masked_accuracy"] <= 1.0
+    metrics = pretrain.main(
+        [
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(files / "train.txt"),
+            "--validation_file",
+            str(files / "valid.txt"),
+            "--tokenizer_name",
+            str(files / "mlm"),
+            "--model_size",
+            "debug",
+            "--max_seq_length",
+            "48",
+            "--nsp",
+            "--max_steps",
+            "3",
+            "--per_device_train_batch_size",
+            "4",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
+    recomputed = recomputed_accuracies(out, files / "valid.txt", seed=5, max_seq_length=48, nsp=True)
+    assert metrics["eval_nsp_accuracy"] == pytest.approx(recomputed["nsp_accuracy"], abs=1e-12), recomputed
+    assert metrics["eval_masked_accuracy"] == pytest.approx(recomputed["masked_accuracy"], abs=1e-12), recomputed
     assert_hub_directory(out, "BertImplForPreTraining")
 
 
@@ -128,11 +237,27 @@ def test_pretrain_continues_from_a_transformers_bert_checkpoint(pretrain, minilm
     """--model_name_or_path on a real transformers BertModel (all-MiniLM-L6-v2): converted on the fly,
     its tokenizer used, trained 2 steps, saved as bert_impl with the base model recorded."""
     out = tmp_path / "cont"
-    pretrain.main([
-        "--output_dir", str(out), "--model_name_or_path", str(minilm_dir), "--max_seq_length", "16",
-        "--max_train_samples", "8", "--max_eval_samples", "4", "--max_steps", "2", "--per_device_train_batch_size", "2",
-        "--save_strategy", "no", *FAST,
-    ])
+    pretrain.main(
+        [
+            "--output_dir",
+            str(out),
+            "--model_name_or_path",
+            str(minilm_dir),
+            "--max_seq_length",
+            "16",
+            "--max_train_samples",
+            "8",
+            "--max_eval_samples",
+            "4",
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     config, facts = assert_hub_directory(out, "BertImplForMaskedLM")
     assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384
     assert config["position_embedding_type"] == "learned"
@@ -143,11 +268,30 @@ def test_pretrain_continues_from_a_transformers_bert_checkpoint(pretrain, minilm
 def test_pretrain_training_flags(pretrain, files, tmp_path, flag):
     """--gradient_checkpointing and --bf16 (CPU autocast here) run through and give a finite loss."""
     out = tmp_path / flag.strip("-")
-    pretrain.main([
-        "--output_dir", str(out), "--train_file", str(files / "train.txt"), "--tokenizer_name", str(files / "mlm"),
-        "--model_size", "debug", "--max_seq_length", "16", "--max_steps", "2", "--per_device_train_batch_size", "4",
-        "--validation_split_percentage", "0", "--save_strategy", "no", flag, *FAST,
-    ])
+    pretrain.main(
+        [
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(files / "train.txt"),
+            "--tokenizer_name",
+            str(files / "mlm"),
+            "--model_size",
+            "debug",
+            "--max_seq_length",
+            "16",
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--validation_split_percentage",
+            "0",
+            "--save_strategy",
+            "no",
+            flag,
+            *FAST,
+        ]
+    )
     state = json.loads((out / "trainer_state.json").read_text())
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
@@ -162,8 +306,10 @@ def test_finetune_sentence_pairs_with_string_labels_and_unlabelled_test_file(fin
     metrics from the shipped evaluate module, predictions.jsonl with one label name per test row."""
     import csv
 
-    rows = [{"sentence1": f"the value {i} is", "sentence2": f"number {i % 3}", "label": "yes" if i % 2 else "no"}
-            for i in range(24)]
+    rows = [
+        {"sentence1": f"the value {i} is", "sentence2": f"number {i % 3}", "label": "yes" if i % 2 else "no"}
+        for i in range(24)
+    ]
     for name, part in (("train", rows[:16]), ("dev", rows[16:])):
         with open(tmp_path / f"{name}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=["sentence1", "sentence2", "label"])
@@ -174,11 +320,27 @@ def test_finetune_sentence_pairs_with_string_labels_and_unlabelled_test_file(fin
         w.writeheader()
         w.writerows({k: r[k] for k in ("sentence1", "sentence2")} for r in rows[:5])
     out = tmp_path / "pairs"
-    metrics = finetune.main([
-        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(tmp_path / "train.csv"),
-        "--validation_file", str(tmp_path / "dev.csv"), "--test_file", str(tmp_path / "test.csv"),
-        "--max_steps", "3", "--per_device_train_batch_size", "8", "--save_strategy", "no", *FAST,
-    ])
+    metrics = finetune.main(
+        [
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(tmp_path / "train.csv"),
+            "--validation_file",
+            str(tmp_path / "dev.csv"),
+            "--test_file",
+            str(tmp_path / "test.csv"),
+            "--max_steps",
+            "3",
+            "--per_device_train_batch_size",
+            "8",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     assert set(metrics) >= {"eval_accuracy", "eval_f1", "eval_matthews_correlation", "eval_loss"}
     config, facts = assert_hub_directory(out, "BertImplForSequenceClassification")
     assert config["id2label"] == {"0": "no", "1": "yes"} and config["problem_type"] == "single_label_classification"
@@ -194,10 +356,25 @@ def test_finetune_regression_on_float_labels(finetune, files, tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", rows[:14])
     dev = write_jsonl(tmp_path / "dev.jsonl", rows[14:])
     out = tmp_path / "reg"
-    metrics = finetune.main([
-        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(train),
-        "--validation_file", str(dev), "--max_steps", "2", "--per_device_train_batch_size", "7", "--save_strategy", "no", *FAST,
-    ])
+    metrics = finetune.main(
+        [
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(train),
+            "--validation_file",
+            str(dev),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "7",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     assert {"eval_pearson", "eval_spearmanr", "eval_mse"} <= set(metrics)
     config, _ = assert_hub_directory(out, "BertImplForSequenceClassification")
     assert config["problem_type"] == "regression" and len(config["id2label"]) == 1
@@ -209,8 +386,10 @@ def test_finetune_token_classification_aligns_word_labels(finetune, files, tmp_p
     """tokens + ner_tags (string tags): labels go to the first WordPiece of each word, the others are
     ignored (-100); predictions.jsonl holds one tag per word."""
     words = ["Python", "evaluates", "expressions", "from", "left", "to", "right", "unconditionally"]
-    rows = [{"tokens": words[i % 3 :], "ner_tags": ["B-X" if w[0].isupper() else "O" for w in words[i % 3 :]]}
-            for i in range(12)]
+    rows = [
+        {"tokens": words[i % 3 :], "ner_tags": ["B-X" if w[0].isupper() else "O" for w in words[i % 3 :]]}
+        for i in range(12)
+    ]
     train = write_jsonl(tmp_path / "ner.jsonl", rows)
     dev = write_jsonl(tmp_path / "ner_dev.jsonl", rows[:4])
 
@@ -231,10 +410,25 @@ def test_finetune_token_classification_aligns_word_labels(finetune, files, tmp_p
     assert align_word_labels(word_ids, tags, label_all_tokens=True)[1:-1] == [tags[w] for w in word_ids[1:-1]]
 
     out = tmp_path / "ner"
-    metrics = finetune.main([
-        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(train),
-        "--validation_file", str(dev), "--max_steps", "2", "--per_device_train_batch_size", "6", "--save_strategy", "no", *FAST,
-    ])
+    metrics = finetune.main(
+        [
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(train),
+            "--validation_file",
+            str(dev),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "6",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     assert {"eval_accuracy", "eval_precision", "eval_recall", "eval_f1"} <= set(metrics)  # seqeval, IOB tags
     config, facts = assert_hub_directory(out, "BertImplForTokenClassification")
     assert config["id2label"] == {"0": "B-X", "1": "O"} and facts["task"] == "token-classification"
@@ -245,19 +439,38 @@ def test_finetune_token_classification_aligns_word_labels(finetune, files, tmp_p
         assert p["label"] == r["ner_tags"]
 
 
-
 def test_finetune_early_stopping_stops_when_the_eval_loss_stalls(finetune, files, tmp_path):
     """learning rate 0: the evaluation loss never improves, so patience 1 stops after the second
     evaluation, far before the 20 epochs asked for."""
     rows = [{"sentence": f"a sentence number {i}", "label": i % 2} for i in range(8)]
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     out = tmp_path / "es"
-    finetune.main([
-        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--train_file", str(train),
-        "--validation_file", str(train), "--num_train_epochs", "20", "--per_device_train_batch_size", "8",
-        "--learning_rate", "0", "--eval_strategy", "epoch", "--save_strategy", "epoch", "--load_best_model_at_end",
-        "--early_stopping_patience", "1", *FAST,
-    ])
+    finetune.main(
+        [
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(train),
+            "--validation_file",
+            str(train),
+            "--num_train_epochs",
+            "20",
+            "--per_device_train_batch_size",
+            "8",
+            "--learning_rate",
+            "0",
+            "--eval_strategy",
+            "epoch",
+            "--save_strategy",
+            "epoch",
+            "--load_best_model_at_end",
+            "--early_stopping_patience",
+            "1",
+            *FAST,
+        ]
+    )
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 2, f"expected a stop after 2 epochs, ran {state['global_step']} steps"
 
@@ -269,17 +482,37 @@ def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_pa
     from .conftest import run_without_package
 
     out = tmp_path / "topic"
-    metrics = finetune.main([
-        "--model_name_or_path", str(files / "mlm"), "--output_dir", str(out), "--max_steps", "2",
-        "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "128", "--max_seq_length", "48",
-        "--save_strategy", "no", *FAST,
-    ])
+    metrics = finetune.main(
+        [
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "16",
+            "--per_device_eval_batch_size",
+            "128",
+            "--max_seq_length",
+            "48",
+            "--save_strategy",
+            "no",
+            *FAST,
+        ]
+    )
     task = statement_topic_task()
     assert "test_accuracy" in metrics
     facts = json.loads((out / "training_facts.json").read_text())
     assert facts["dataset"].startswith("embedded statement-topic task") and facts["labels"] == ["other", "statement"]
     assert facts["test_metrics"]["test_accuracy"] == pytest.approx(metrics["test_accuracy"])
     assert facts["dataset_split"] == "validation" and all(k.startswith("eval_") for k in facts["metrics"])
+    kernels = facts["kernels"]  # fine-tuned with the speed layer (no MLM head: no sparse prediction)
+    assert (
+        kernels["setting"] == "auto"
+        and kernels["sparse_prediction"] is False
+        and kernels["modules"]["_linear_forward"]
+    )
     predictions = read_jsonl(out / "predictions.jsonl")
     assert [p["sentence"] for p in predictions] == task["test"]["sentence"]
     assert [p["label"] for p in predictions] == [["other", "statement"][y] for y in task["test"]["label"]]
@@ -301,7 +534,9 @@ def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_pa
     result = run_without_package(code, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "transformers_modules" in result.stdout, result.stdout
-    assert f"agreement with the fine-tuning run's own predictions: {len(predictions)}/{len(predictions)}" in result.stdout
+    assert (
+        f"agreement with the fine-tuning run's own predictions: {len(predictions)}/{len(predictions)}" in result.stdout
+    )
     n = len(predictions)
     correct = round(metrics["test_accuracy"] * n)
     assert f"{n} rows of test.jsonl: {correct}/{n} correct" in result.stdout, result.stdout
@@ -344,8 +579,11 @@ def _bad_train_files(tmp_path, script):
     empty.write_text("")
     wrong = tmp_path / "wrong_column.csv"
     wrong.write_text("body,target\nsome words here,1\nmore words there,0\n")
-    return [(missing, "no such file"), (empty, "the file is empty"),
-            (wrong, "missing column(s) ['text']" if script == "pretrain_mlm" else "no text column")]
+    return [
+        (missing, "no such file"),
+        (empty, "the file is empty"),
+        (wrong, "missing column(s) ['text']" if script == "pretrain_mlm" else "no text column"),
+    ]
 
 
 @pytest.mark.parametrize("script_name", ["pretrain_mlm", "finetune"])
@@ -372,9 +610,22 @@ def test_bad_train_file_on_the_real_command_line(files, tmp_path):
     """The same through a real interpreter: exit status 2, stderr is exactly one line, no traceback."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "finetune.py"), "--model_name_or_path", str(files / "mlm"),
-         "--output_dir", str(tmp_path / "o"), "--train_file", str(tmp_path / "nope.jsonl"), "--use_cpu"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            str(SCRIPTS / "finetune.py"),
+            "--model_name_or_path",
+            str(files / "mlm"),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--train_file",
+            str(tmp_path / "nope.jsonl"),
+            "--use_cpu",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == 2
     lines = [l for l in result.stderr.splitlines() if l.strip()]
@@ -382,46 +633,156 @@ def test_bad_train_file_on_the_real_command_line(files, tmp_path):
 
 
 def test_masked_accuracy_is_the_same_with_sparse_and_full_predictions(pretrain):
-    """pretrain_mlm trains with sparse prediction (one logit row per masked position) and evaluates
-    the saved model with full logits: both layouts must score the same positions the same way."""
+    """pretrain_mlm evaluates with sparse prediction (one logit row per masked position, put back on the (b, s)
+    grid); the plain model gives full logits: both layouts must score the same positions the same way. The labels
+    are built so that the accuracy is known in advance: of the masked positions, exactly those of even rank carry the
+    plain model's argmax, the others a different token."""
     from transformers import EvalPrediction
 
     from hf_bert_impl.data import IGNORE_INDEX
 
     torch.manual_seed(0)
-    config = BertImplConfig.from_preset("debug", vocab_size=50, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertImplConfig.from_preset(
+        "debug", vocab_size=50, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    )
     model = BertImplForMaskedLM(config).eval()
-    batches = []
+    batches, hits, positions = [], 0, 0
     for _ in range(3):  # Trainer concatenates evaluation batches in order
         ids = torch.randint(1, 50, (4, 9))
-        labels = torch.where(torch.rand(4, 9) < 0.3, ids, torch.full_like(ids, IGNORE_INDEX))
-        labels[0, 0] = ids[0, 0]
+        with torch.no_grad():
+            argmax = model(ids).logits.argmax(-1)  # the plain model, (4, 9)
+        chosen = (torch.rand(4, 9) < 0.3).reshape(-1)
+        chosen[0] = True
+        rank = torch.cumsum(chosen.long(), 0) - 1  # the masked positions numbered in order
+        right = chosen & (rank % 2 == 0)
+        labels = torch.where(right, argmax.reshape(-1), (argmax.reshape(-1) + 1) % 50)
+        labels = torch.where(chosen, labels, torch.full_like(labels, IGNORE_INDEX)).reshape(4, 9)
+        hits, positions = hits + int(right.sum()), positions + int(chosen.sum())
         batches.append((ids, labels))
     results = {}
     for sparse in (False, True):
-        model.config.sparse_prediction = sparse
+        # sparse: only the layout changes ("skip_zero_rows" acts in the backward only); full: the plain model
+        kernelize(model, "skip_zero_rows", sparse_prediction=True) if sparse else kernelize(model, "reference")
         with torch.no_grad():
-            preds = [pretrain.preprocess_logits_for_metrics(model(ids, labels=labels).logits, labels)
-                     for ids, labels in batches]
+            logits = [model(ids, labels=labels).logits for ids, labels in batches]
+        assert [tuple(x.shape) for x in logits] == [
+            ((int((l != IGNORE_INDEX).sum()), 50) if sparse else (4, 9, 50)) for _, l in batches
+        ]
+        preds = [pretrain.preprocess_logits_for_metrics(x, l) for x, (_, l) in zip(logits, batches)]
         assert all(p.shape == l.shape for p, (_, l) in zip(preds, batches))  # sparse ids go back on the (b, s) grid
         results[sparse] = pretrain.compute_metrics(
             EvalPrediction(predictions=torch.cat(preds).numpy(), label_ids=torch.cat([l for _, l in batches]).numpy())
         )
-    assert results[True] == results[False]
-    assert 0.0 <= results[True]["masked_accuracy"] <= 1.0
+    assert results[True] == results[False] == {"masked_accuracy": pytest.approx(hits / positions, abs=1e-12)}
+    assert 0 < hits < positions
 
 
-def test_saved_pretraining_output_returns_full_logits(tmp_path, pretrain):
-    """Sparse prediction is a training-time switch: the saved config has it off."""
-    pretrain.main(["--output_dir", str(tmp_path / "out"), "--model_size", "debug", "--tokenizer_vocab_size", "300",
-                   "--max_seq_length", "32", "--max_steps", "2", "--per_device_train_batch_size", "4",
-                   "--save_strategy", "no", *FAST])
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["sparse_prediction"] is False
+def _built_model(script, monkeypatch) -> dict:
+    """Patches the script's Trainer to keep the model it is given: {"model": ...} after main()."""
+    seen = {}
+
+    class Keeping(script.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen["model"] = self.model
+
+    monkeypatch.setattr(script, "Trainer", Keeping)
+    return seen
 
 
-@pytest.mark.parametrize("name, option", [("pretrain_mlm", "--time_budget"), ("finetune", "--output_dir"),
-                                          ("benchmark_pretraining", "--budget")])
+def test_pretrain_mlm_applies_the_speed_layer_and_saves_the_plain_model(
+    pretrain, files, tmp_path, monkeypatch, caplog
+):
+    """Default --kernels auto: the model trains kernelized with sparse prediction, the choices are logged and recorded
+    in training_facts.json (each one a choice of this process), and the save is the plain model's: config.json
+    without a kernels / sparse_prediction field and the same as a --kernels reference run's, the same files and weight
+    names and shapes, full (b, s, V) logits once loaded. --kernels reference trains the plain model: no module
+    kernelized, no kernel choice made or consulted. The auto run saves into a symlinked folder that holds another
+    file: the link stays a link, the other file stays, no staging folder is left."""
+    import logging
+
+    from safetensors import safe_open
+
+    from hf_bert_impl import kernels_bert_impl
+    from hf_bert_impl.cli import UsageError
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "notes.txt").write_text("kept")
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)
+    common = [
+        "--train_file",
+        str(files / "train.txt"),
+        "--tokenizer_name",
+        str(files / "mlm"),
+        "--model_size",
+        "debug",
+        "--max_seq_length",
+        "16",
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--validation_split_percentage",
+        "0",
+        "--save_strategy",
+        "no",
+        *FAST,
+    ]
+    with pytest.raises(UsageError, match="--kernels: kernels must be .* got 'fastest'"):
+        pretrain.main(["--output_dir", str(tmp_path / "bad"), *common, "--kernels", "fastest"])
+    caplog.set_level(logging.INFO, logger="pretrain_mlm")
+    seen = _built_model(pretrain, monkeypatch)
+    pretrain.main(["--output_dir", str(link), *common])  # --kernels auto, --sparse_prediction: the defaults
+    auto_model = seen["model"]
+    facts = json.loads((target / "training_facts.json").read_text())["kernels"]
+    assert facts["setting"] == "auto" and facts["sparse_prediction"] is True
+    linears = sum(type(m) is torch.nn.Linear for m in auto_model.modules())
+    assert facts["modules"]["_linear_forward"] == linears and facts["modules"]["_sparse_mlm_logits_and_loss"] == 1
+    assert facts["modules"] == dict(sorted(Counter(kernelized(auto_model).values()).items()))
+    made = kernels_bert_impl.chosen_kernels()
+    assert facts["chosen"] and all(made[key] == name for key, name in facts["chosen"].items())
+    assert any(key.startswith("linear|cpu|float32|") and "|train|" in key for key in facts["chosen"])
+    assert f"kernels auto: {len(facts['chosen'])} choices" in caplog.text
+    assert link.is_symlink() and (target / "notes.txt").read_text() == "kept"
+    assert not list(target.glob(STAGING_PREFIX + "*")) and (target / "model.safetensors").is_file()
+
+    seen.clear()
+    plain_out = tmp_path / "plain"
+    pretrain.main(["--output_dir", str(plain_out), *common, "--kernels", "reference"])
+    assert kernelized(seen["model"]) == {}
+    assert kernels_bert_impl.chosen_kernels() == made, "the reference run consulted a kernel point"
+    assert json.loads((plain_out / "training_facts.json").read_text())["kernels"] == {
+        "setting": "reference",
+        "sparse_prediction": False,
+        "chosen": "reference",
+        "measurement_seconds": 0.0,
+        "modules": {},
+    }
+
+    configs = [json.loads((d / "config.json").read_text()) for d in (target, plain_out)]
+    assert "kernels" not in configs[0] and "sparse_prediction" not in configs[0]
+    assert configs[0] == configs[1]
+    assert sorted(p.name for p in target.iterdir() if p.name != "notes.txt") == sorted(
+        p.name for p in plain_out.iterdir()
+    )
+    shapes = []
+    for d in (target, plain_out):
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            shapes.append({k: f.get_slice(k).get_shape() for k in f.keys()})
+    assert shapes[0] == shapes[1]
+    loaded = BertImplForMaskedLM.from_pretrained(target).eval()
+    ids = torch.randint(5, 100, (2, 9))
+    labels = torch.full_like(ids, -100)
+    labels[:, 3] = ids[:, 3]
+    assert loaded(ids, labels=labels).logits.shape == (2, 9, loaded.config.vocab_size)
+
+
+@pytest.mark.parametrize(
+    "name, option",
+    [("pretrain_mlm", "--time_budget"), ("finetune", "--output_dir"), ("benchmark_pretraining", "--budget")],
+)
 def test_help_lists_the_options(name, option, capsys):
     """`--help` prints every option (a bare % in a help text used to crash argparse's formatting)."""
     with pytest.raises(SystemExit) as exit_info:

@@ -21,6 +21,7 @@ from hf_bert_impl.data import IGNORE_INDEX, default_corpus_dataset, train_wordpi
 
 from .conftest import ListDataset
 
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 99, 7
 
@@ -57,13 +58,24 @@ def mlm_rows(n: int, seed: int = 0, learnable: bool = False):
 
 
 def train(model, rows, tmp_path, **kw):
-    args = dict(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", seed=0, data_seed=0,
-        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
-    )
+    args = {
+        "output_dir": str(tmp_path),
+        "use_cpu": True,
+        "report_to": "none",
+        "save_strategy": "no",
+        "seed": 0,
+        "data_seed": 0,
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
     args.update(kw)
-    trainer = Trainer(model=model, args=TrainingArguments(**args), train_dataset=ListDataset(rows),
-                      data_collator=default_data_collator)
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**args),
+        train_dataset=ListDataset(rows),
+        data_collator=default_data_collator,
+    )
     trainer.train()
     return trainer
 
@@ -86,8 +98,18 @@ def test_gradient_accumulation_1x8_equals_4x2(debug_config, tmp_path):
         model = BertImplForMaskedLM(base.config)
         model.load_state_dict(base.state_dict())
         model.accepts_loss_kwargs = accepts_loss_kwargs
-        train(model, rows, tmp_path / f"{bs}x{ga}{tag}", per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
-              max_steps=3, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", weight_decay=0.0)
+        train(
+            model,
+            rows,
+            tmp_path / f"{bs}x{ga}{tag}",
+            per_device_train_batch_size=bs,
+            gradient_accumulation_steps=ga,
+            max_steps=3,
+            optim="sgd",
+            learning_rate=0.5,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+        )
         return params(model)
 
     big, acc = run(8, 1), run(2, 4)
@@ -103,13 +125,16 @@ def test_gradient_accumulation_1x8_equals_4x2(debug_config, tmp_path):
     assert naive_diff > 1e-4 * update, f"control: per-micro-batch means should differ, got {naive_diff:.3e}"
 
 
-def test_loss_curve_matches_transformers_bert_for_masked_lm(debug_config, tmp_path):
+@pytest.mark.parametrize("speed_layer", ["plain", "kernelized"])
+def test_loss_curve_matches_transformers_bert_for_masked_lm(debug_config, tmp_path, speed_layer):
     """Same initial weights (our model converted with to_hf_bert), same data order and Trainer
     settings (AdamW, linear schedule, seed): the per-step training losses of 20 steps agree within
     1e-5 absolute. Learned positions, as transformers' BERT has; dropout off (the two models draw
-    their dropout masks in different orders)."""
+    their dropout masks in different orders). Ours as loaded (the plain model) and with the speed
+    layer as scripts/pretrain_mlm.py trains it (kernelize "auto", sparse prediction)."""
     from transformers import BertForMaskedLM
 
+    from hf_bert_impl import kernelize, kernelized
     from hf_bert_impl.convert import to_hf_bert
 
     rows = mlm_rows(80, seed=1, learnable=True)
@@ -117,7 +142,16 @@ def test_loss_curve_matches_transformers_bert_for_masked_lm(debug_config, tmp_pa
     ours = BertImplForMaskedLM(debug_config(vocab_size=VOCAB, position_embedding_type="learned"))
     theirs = to_hf_bert(ours)
     assert isinstance(theirs, BertForMaskedLM)
-    kw = dict(per_device_train_batch_size=4, max_steps=20, learning_rate=2e-2, warmup_steps=2, optim="adamw_torch")
+    if speed_layer == "kernelized":
+        kernelize(ours, "auto", sparse_prediction=True)
+        assert "._mlm_logits_and_loss" in kernelized(ours)
+    kw = {
+        "per_device_train_batch_size": 4,
+        "max_steps": 20,
+        "learning_rate": 2e-2,
+        "warmup_steps": 2,
+        "optim": "adamw_torch",
+    }
     losses = []
     for model, tag in ((ours, "ours"), (theirs, "transformers")):
         trainer = train(model, rows, tmp_path / tag, **kw)
@@ -147,10 +181,28 @@ def corpus_files(tmp_path_factory):
 
 def pretrain_args(corpus_files, out, *extra):
     return [
-        "--output_dir", str(out), "--train_file", str(corpus_files / "train.txt"),
-        "--tokenizer_name", str(corpus_files / "tokenizer"), "--model_size", "debug", "--max_seq_length", "16",
-        "--use_cpu", "--report_to", "none", "--seed", "3", "--logging_steps", "1", "--disable_tqdm", "true",
-        "--validation_split_percentage", "0", *extra,
+        "--output_dir",
+        str(out),
+        "--train_file",
+        str(corpus_files / "train.txt"),
+        "--tokenizer_name",
+        str(corpus_files / "tokenizer"),
+        "--model_size",
+        "debug",
+        "--max_seq_length",
+        "16",
+        "--use_cpu",
+        "--report_to",
+        "none",
+        "--seed",
+        "3",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        "--validation_split_percentage",
+        "0",
+        *extra,
     ]
 
 
@@ -177,8 +229,17 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_weights(corpus_files, tm
     point, so the collator masks batch k from its own seed and `MaskingResumeCallback` restores k).
     Tolerance: max |diff| <= 1e-7 (the same float ops in the same order)."""
     script = load_script("pretrain_mlm")
-    common = ["--max_steps", "6", "--save_steps", "3", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3",
-              *masking]
+    common = [
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "4",
+        "--learning_rate",
+        "1e-3",
+        *masking,
+    ]
     script.main(pretrain_args(corpus_files, tmp_path / "full", *common))
 
     class KillAfterFirstCheckpoint(TrainerCallback):
@@ -201,7 +262,10 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_weights(corpus_files, tm
     full, resumed = weights(tmp_path / "full"), weights(out)
     initial_gap = max_weight_diff(full, weights(out / "checkpoint-3"))
     assert initial_gap > 1e-4, "steps 4-6 changed nothing, the comparison would be empty"
-    print(f"resumed vs uninterrupted: max |weight diff| {max_weight_diff(full, resumed):.3e} (steps 4-6 moved {initial_gap:.3e})")
+    print(
+        f"resumed vs uninterrupted: max |weight diff| {max_weight_diff(full, resumed):.3e} "
+        f"(steps 4-6 moved {initial_gap:.3e})"
+    )
     assert max_weight_diff(full, resumed) <= 1e-7
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 6
@@ -214,10 +278,24 @@ def _script_tokenizer_args(corpus_files, out, *extra):
     return args[:i] + args[i + 2 :] + ["--tokenizer_vocab_size", "500"]
 
 
-MULTI_COMMON = ["--max_steps", "3", "--save_strategy", "no", "--learning_rate", "3e-3",
-                "--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
-                "--ddp_find_unused_parameters", "false"]
-LAUNCH_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+MULTI_COMMON = [
+    "--max_steps",
+    "3",
+    "--save_strategy",
+    "no",
+    "--learning_rate",
+    "3e-3",
+    "--config_overrides",
+    "hidden_dropout_prob=0,attention_probs_dropout_prob=0",
+    "--ddp_find_unused_parameters",
+    "false",
+]
+LAUNCH_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def _single_process_reference(corpus_files, out, tokenizer_dir):
@@ -240,11 +318,29 @@ def test_two_gloo_processes_equal_one_process_over_the_same_global_batches(corpu
     masks the single process gives it) and a WordPiece tokenizer the script trains (once, on rank 0;
     rank 1 loads it). No dropout. Tolerance: max |diff| <= 1e-5."""
     multi = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         str(REPO_ROOT / "scripts" / "pretrain_mlm.py"),
-         *_script_tokenizer_args(corpus_files, tmp_path / "ddp", *MULTI_COMMON, "--per_device_train_batch_size", "2")],
-        cwd=REPO_ROOT, env={**os.environ, **LAUNCH_ENV}, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(REPO_ROOT / "scripts" / "pretrain_mlm.py"),
+            *_script_tokenizer_args(
+                corpus_files, tmp_path / "ddp", *MULTI_COMMON, "--per_device_train_batch_size", "2"
+            ),
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, **LAUNCH_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert multi.returncode == 0, multi.stderr[-3000:]
     facts = json.loads((tmp_path / "ddp" / "training_facts.json").read_text())
@@ -272,12 +368,33 @@ def test_two_machines_on_loopback_equal_one_process(corpus_files, tmp_path):
     out = tmp_path / "two_machines"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
-             "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-             "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
-             str(REPO_ROOT / "scripts" / "pretrain_mlm.py"),
-             *_script_tokenizer_args(corpus_files, out, *MULTI_COMMON, "--per_device_train_batch_size", "2")],
-            cwd=REPO_ROOT, env={**os.environ, **LAUNCH_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--multi_gpu",
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                "--mixed_precision",
+                "no",
+                "--dynamo_backend",
+                "no",
+                str(REPO_ROOT / "scripts" / "pretrain_mlm.py"),
+                *_script_tokenizer_args(corpus_files, out, *MULTI_COMMON, "--per_device_train_batch_size", "2"),
+            ],
+            cwd=REPO_ROOT,
+            env={**os.environ, **LAUNCH_ENV},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in (0, 1)
     ]
