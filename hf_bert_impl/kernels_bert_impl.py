@@ -23,8 +23,8 @@ LoRA layer, a quantized linear) or hooked runs its own forward. The kernels, by 
                        only; attention per sequence
                        ("per_sequence_attention") or on a compact
                        masked grid ("grid_attention")
-  MLM heads            `sparse_prediction=True`: with labels, the       logits (b, s, V)
-                       decoder runs on labelled positions only
+  MLM heads            the loss from the labelled rows only; with       the loss from every row
+                       `sparse_prediction=True` the decoder too         logits (b, s, V)
                        (logits (n, V), the same loss)
 
 `kernels`: "auto" (default) measures, "reference" removes every kernel, and a name (or several, comma-separated) forces
@@ -668,6 +668,18 @@ def _sparse_mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batc
     return logits, plain.masked_lm_loss(logits, labels.reshape(-1).index_select(0, keep), num_items_in_batch)
 
 
+def _dense_mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch):
+    """The MLM heads' full logits (b, s, V), with the loss taken from the labelled rows only (the others add 0 to it,
+    and their zero gradient lets the decoder's backward skip them). CPU, outside compilation (a host read)."""
+    if labels is None or torch.compiler.is_compiling() or labels.device.type != "cpu" or \
+            tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
+        return type(self)._mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch)
+    logits = self.lm_head(sequence_output)  # (b, s, V)
+    keep = labels.reshape(-1).ne(plain.IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
+    rows = logits.reshape(-1, logits.size(-1)).index_select(0, keep)  # (n, V)
+    return logits, plain.masked_lm_loss(rows, labels.reshape(-1).index_select(0, keep), num_items_in_batch)
+
+
 _FORWARDS = {"BertImplModel": _encoder_forward, "BertImplSelfAttention": _attention_forward}  # by class name:
 _CHILD_FORWARDS = {"mlp": _mlp_forward, "lm_head": _lm_head_forward}  # by name in a bert_impl parent (remote too)
 
@@ -684,7 +696,7 @@ def _put(module: nn.Module, fn, attribute: str = "forward", **options) -> None:
 def _ours(module: nn.Module, attribute: str = "forward"):  # the kernel function put on `module`, or None
     bound = module.__dict__.get(attribute)
     fn = getattr(getattr(bound, "__func__", None), "bert_impl_kernel", None)
-    ours = (_linear_forward, _dropout_forward, _sparse_mlm_logits_and_loss)
+    ours = (_linear_forward, _dropout_forward, _sparse_mlm_logits_and_loss, _dense_mlm_logits_and_loss)
     ours += (*_FORWARDS.values(), *_CHILD_FORWARDS.values())
     return fn if fn in ours else None
 
@@ -715,8 +727,9 @@ def kernelize(model: nn.Module, kernels="auto", sparse_prediction: bool = False)
         for child, fn in _CHILD_FORWARDS.items():  # the FFN of a layer, the MLM heads' prediction head
             if name.startswith("BertImpl") and type(getattr(module, child, None)) is nn.Sequential:
                 _put(getattr(module, child), fn, setting=setting)
-        if sparse_prediction and hasattr(type(module), "_mlm_logits_and_loss"):
-            _put(module, _sparse_mlm_logits_and_loss, "_mlm_logits_and_loss")
+        if hasattr(type(module), "_mlm_logits_and_loss"):  # the MLM heads' loss on the labelled rows
+            _put(module, _sparse_mlm_logits_and_loss if sparse_prediction else _dense_mlm_logits_and_loss,
+                 "_mlm_logits_and_loss")
     logger.info("kernelize(%s, kernels=%r, sparse_prediction=%s): %d modules", type(model).__name__, kernels,
                 sparse_prediction, len(kernelized(model)))
     return model

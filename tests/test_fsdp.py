@@ -29,8 +29,8 @@ FP32_TOL = 1e-5
 FP32_SCENARIOS = ["default", "plain", "unpadded_sparse", "accelerate_grouping"]
 # the kernel functions each scenario's kernelize put on the model (kernels_bert_impl.kernelized)
 KERNELIZED = {
-    "default": ["_attention_forward", "_dropout_forward", "_encoder_forward", "_linear_forward", "_lm_head_forward",
-                "_mlp_forward"],
+    "default": ["_attention_forward", "_dense_mlm_logits_and_loss", "_dropout_forward", "_encoder_forward",
+                "_linear_forward", "_lm_head_forward", "_mlp_forward"],
     "plain": [],
     "unpadded_sparse": ["_attention_forward", "_dropout_forward", "_encoder_forward", "_linear_forward",
                         "_lm_head_forward", "_mlp_forward", "_sparse_mlm_logits_and_loss"],
