@@ -264,10 +264,10 @@ def _gemm(x, weight, bias, onednn: bool):  # x Wᵀ + b
 
 
 class _LinearFunction(torch.autograd.Function):
-    """y = x Wᵀ + b with its backward written out (dx = dy W, dW = dyᵀ x, db = Σ dy). (1) oneDNN's op has no autograd
-    formula; it copies dyᵀ, which torch.mm reads as a strided view, so dW goes through torch.mm in bfloat16 and, in
-    float32, for outputs over 8x wider than the input. (2) `skip_zero_rows`: rows of dy that are all zero (positions
-    without a label) add nothing; when at most half are left the backward runs on those only."""
+    """y = x Wᵀ + b with its backward written out (dx = dy W, dW = dyᵀ x, db = Σ dy). (1) oneDNN's op has no
+    autograd formula; it copies dyᵀ, which torch.mm reads as a strided view, so dW goes through torch.mm in bfloat16
+    and, in float32, for outputs over 8x wider than the input. (2) `skip_zero_rows`: rows of dy that are all zero
+    (positions without a label) add nothing; when at most half are left the backward runs on those only."""
 
     @staticmethod
     def forward(x, weight, bias, onednn: bool, skip_zero_rows: bool):
@@ -536,8 +536,8 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
 
 
 def _eager_bits_dropout(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
-    """modeling_bert_impl.eager_attention_forward (softmax(QKᵀ/√d_k + M) V, the formula) with "bits_dropout" masks on
-    probabilities in training; an additive mask (this module's layouts make no boolean one)."""
+    """modeling_bert_impl.eager_attention_forward (softmax(QKᵀ/√d_k + M) V, the formula) with "bits_dropout"
+    masks on the probabilities in training; an additive mask (this module's layouts make no boolean one)."""
     scores = torch.matmul(query, key.transpose(-2, -1)) * scaling  # (b, h, s, s)
     if attention_mask is not None:
         scores = scores + attention_mask

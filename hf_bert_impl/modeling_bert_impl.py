@@ -72,8 +72,8 @@ def _sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:  # rows at positions
 
 def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
-    """Scaled dot-product attention of [1]: softmax(QKᵀ/√d_k + M) V. q, k, v: (b, h, s, d); M: boolean (True: attend)
-    or additive, broadcastable to (b, h, s, s). Returns the output (b, s, h, d) and the probabilities (b, h, s, s)."""
+    """Scaled dot-product attention of [1]: softmax(QKᵀ/√d_k + M) V. q, k, v: (b, h, s, d); M: boolean (True:
+    attend) or additive, broadcastable to (b, h, s, s). Returns the output (b, s, h, d) and the probabilities."""
     scores = torch.matmul(query, key.transpose(-2, -1)) * scaling  # (b, h, s, s)
     if attention_mask is not None:  # boolean: True where a key may be attended; else additive
         boolean, low = attention_mask.dtype == torch.bool, torch.finfo(scores.dtype).min
@@ -84,8 +84,8 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
 
 
 def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-    """The masked-LM loss of [2]: L = -Σ_i log P(x_i | x_\\i) over labels that are not -100, divided by their number or
-    by Trainer's `num_items_in_batch` (accumulation = one large batch); 0 if none; half-precision summed in float32."""
+    """The masked-LM loss of [2]: L = -Σ_i log P(x_i | x_\\i) over labels that are not -100, divided by their number
+    or Trainer's `num_items_in_batch` (accumulation = one large batch); 0 if none; half-precision summed in float32."""
     logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)  # (N, V), (N,)
     nll_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none").float().sum()
     count = labels.ne(IGNORE_INDEX).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -225,8 +225,8 @@ class BertImplPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """transformers' init, the sinusoidal table, and word embeddings scaled by √d_model at normal(0, 1/√d_model)
-        (unit scale in use, as [1]'s code); loaded tensors are skipped."""
+        """transformers' init, the sinusoidal table, and word embeddings scaled by √d_model at normal(0,
+        1/√d_model) (unit scale in use, as [1]'s code); loaded tensors are skipped."""
         super()._init_weights(module)
         if not isinstance(module, BertImplEmbeddings):
             return
