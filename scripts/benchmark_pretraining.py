@@ -57,7 +57,7 @@ from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageMod
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain_mlm  # noqa: E402  the script itself: ours is trained through its main()
 
-from hf_bert_impl import (  # noqa: E402  # noqa: E402
+from hf_bert_impl import (  # noqa: E402
     SIZE_PRESETS,
     BertImplConfig,
     BertImplForMaskedLM,
