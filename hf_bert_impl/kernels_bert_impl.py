@@ -302,18 +302,32 @@ _CAST_BUFFERS = threading.local()  # per thread: (shape, dtype) -> the buffer no
 
 def _linear_candidates(x, w, b, act, grad: bool) -> dict:
     """The ways to compute act(x Wᵀ + b) here: {name: fn() -> Tensor}; oneDNN only where it also computes the
-    backward's transposed GEMM right."""
+    backward's transposed GEMM right. In grad mode each runs with its backward (dy random), as a training step
+    does: a GEMM faster forward can be slower forward + backward."""
     identity = (lambda y: y) if act is None else act
-    out = {"reference": lambda: identity(F.linear(x, w, b))}
+    forwards = {"reference": F.linear}
     op = _onednn_op()
-    if op is None or x.dtype not in TOLERANCE:
-        return out
     y = torch.randn(8, w.size(0), dtype=x.dtype, generator=torch.Generator().manual_seed(0))  # a few rows suffice
-    if _try_agrees(lambda: op(y, w.t(), None, "none", [], ""), F.linear(y, w.t())):  # the backward's transposed GEMM
-        out["onednn_linear"] = lambda: identity(op(x, w, b, "none", [], ""))
-    if "onednn_linear" in out and _fusable(act, grad, x.dtype):
-        out["fused_activation"] = lambda: op(x, w, b, *_POST_OPS[type(act).__name__])
-    return out
+    if op is not None and x.dtype in TOLERANCE and _try_agrees(lambda: op(y, w.t(), None, "none", [], ""),
+                                                               F.linear(y, w.t())):  # the backward's transposed GEMM
+        forwards["onednn_linear"] = ((lambda x_, w_, b_: _LinearFunction.apply(x_, w_, b_, True, False)) if grad
+                                     else (lambda x_, w_, b_: op(x_, w_, b_, "none", [], "")))
+    if not grad:
+        out = {name: (lambda f=f: identity(f(x, w, b))) for name, f in forwards.items()}
+        if "onednn_linear" in out and _fusable(act, grad, x.dtype):
+            out["fused_activation"] = lambda: op(x, w, b, *_POST_OPS[type(act).__name__])
+        return out
+    dy = torch.randn(*x.shape[:-1], w.size(0), generator=torch.Generator().manual_seed(1)).to(x.dtype)
+
+    def step(forward):
+        def run():  # identity saved-tensor hooks: a caller's (gradient checkpointing's) must not pack these tensors
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                leaves = [None if t is None else t.detach().requires_grad_() for t in (x, w, b)]
+                out = identity(forward(*leaves))
+                out.backward(dy)
+            return out.detach()
+        return run
+    return {name: step(f) for name, f in forwards.items()}
 
 
 def _fusable(act, grad: bool, dtype) -> bool:  # an unhooked GELU / ReLU after a float32 GEMM in inference
@@ -549,8 +563,9 @@ def _eager_bits_dropout(module, query, key, value, attention_mask, scaling: floa
 def attention_kernel(setting, module, qkv: torch.Tensor, tokens: TokenMap | None, attention_fn, mask,
                      kwargs) -> tuple | None:
     """Point "attention": attention over `tokens` (the "layout" kernels), and training attention with "bits_dropout"
-    masks, which runs the formula (`_eager_bits_dropout`: SDPA's CPU kernels draw no dropout of their own).
-    qkv: (b, s, 3H) or (1, T, 3H). Returns (out (b, s, h, d) or (1, T, h, d), probs) or None for the reference."""
+    masks, which runs the formula (`_eager_bits_dropout`: SDPA's CPU kernels draw no dropout of their own); with
+    neither, `attention_fn` on the padded batch, as the plain model calls it. qkv: (b, s, 3H) or (1, T, 3H).
+    Returns (out (b, s, h, d) or (1, T, h, d), probs)."""
     p = module.attention_dropout if module.training else 0.0
     h, d = module.num_heads, module.head_dim
     if tokens is None:
@@ -562,8 +577,6 @@ def attention_kernel(setting, module, qkv: torch.Tensor, tokens: TokenMap | None
     varlen = tokens is not None and bool(tokens.attention_kwargs)  # flash's own layout: its function, its dropout
     if p > 0 and not varlen and dropout_choice(setting, qkv, p, True, probs_shape) == "bits_dropout":
         attention_fn = _eager_bits_dropout
-    elif tokens is None:
-        return None
     if tokens is not None and tokens.grid_index is not None:  # each real token into its slot of the (n, m) grid
         qkv = qkv.new_zeros(n * m, 3 * h * d).index_copy(0, tokens.grid_index, qkv.view(-1, 3 * h * d))  # (n*m, 3H)
     parts = qkv.split(tokens.seq_lengths, dim=1) if tokens is not None and tokens.seq_lengths is not None else \
@@ -620,11 +633,7 @@ def _attention_forward(self, hidden_states, attention_mask=None, *, setting, **k
         return type(self).forward(self, hidden_states, attention_mask, **kwargs)
     qkv = self.Wqkv(hidden_states)  # (b, s, 3H) or (1, T, 3H)
     attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, plain.eager_attention_forward)
-    fast = attention_kernel(setting, self, qkv, tokens, attend, attention_mask, kwargs)
-    if fast is None:
-        q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)  # 3 x (b, h, s, d)
-        fast = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=p, **kwargs)
-    out, probs = fast  # out: (b, s, h, d) or (1, T, h, d)
+    out, probs = attention_kernel(setting, self, qkv, tokens, attend, attention_mask, kwargs)  # out: (b, s, h, d)
     return self.Wo(out.reshape(hidden_states.shape)), probs
 
 
@@ -657,15 +666,19 @@ def _encoder_forward(self, input_ids=None, attention_mask=None, token_type_ids=N
     return out.to_tuple() if return_dict is False else out
 
 
+def _labelled(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (b, s) -> the n labelled rows, labels
+    keep = labels.reshape(-1).ne(plain.IGNORE_INDEX).nonzero().squeeze(1)
+    return keep, labels.reshape(-1).index_select(0, keep)
+
+
 def _sparse_mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch):
     """The MLM heads' logits and loss with the decoder on the n labelled positions only: logits (n, V), the same loss
     (unlabelled positions add 0 to it)."""
     if labels is None or torch.compiler.is_compiling() or tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
         return type(self)._mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch)
-    keep = labels.reshape(-1).ne(plain.IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
-    sequence_output = sequence_output.reshape(-1, sequence_output.size(-1)).index_select(0, keep)  # (n, H)
-    logits = self.lm_head(sequence_output)  # (n, V)
-    return logits, plain.masked_lm_loss(logits, labels.reshape(-1).index_select(0, keep), num_items_in_batch)
+    keep, labelled = _labelled(labels)  # (n,), (n,)
+    logits = self.lm_head(sequence_output.reshape(-1, sequence_output.size(-1)).index_select(0, keep))  # (n, V)
+    return logits, plain.masked_lm_loss(logits, labelled, num_items_in_batch)
 
 
 def _dense_mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch):
@@ -675,9 +688,9 @@ def _dense_mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch
             tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
         return type(self)._mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch)
     logits = self.lm_head(sequence_output)  # (b, s, V)
-    keep = labels.reshape(-1).ne(plain.IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
+    keep, labelled = _labelled(labels)  # (n,), (n,)
     rows = logits.reshape(-1, logits.size(-1)).index_select(0, keep)  # (n, V)
-    return logits, plain.masked_lm_loss(rows, labels.reshape(-1).index_select(0, keep), num_items_in_batch)
+    return logits, plain.masked_lm_loss(rows, labelled, num_items_in_batch)
 
 
 _FORWARDS = {"BertImplModel": _encoder_forward, "BertImplSelfAttention": _attention_forward}  # by class name:

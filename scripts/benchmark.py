@@ -13,8 +13,9 @@ Copy-paste commands:
         --json benchmarks/cpu-amd-zen4_base_autocast.json
     python scripts/benchmark.py --size base --threads 2 --dtype autocast --autocast_scope run --workloads fixed,mixed \
         --json benchmarks/cpu-amd-zen4_base_autocast_scope_run.json   # one autocast context around a serving loop
-    python scripts/benchmark.py --size base --threads 2 --against onnxruntime \
-        --json benchmarks/cpu-amd-zen4_base_fp32_onnxruntime.json
+    # the CPU runtimes a user would serve transformers' BERT with, beside ours, in one run
+    python scripts/benchmark.py --size base --threads 2 --against onnxruntime,openvino,compile \
+        --json benchmarks/cpu-amd-zen3_base_fp32_anchors.json
 
     # ours' kernels (hf_bert_impl.kernelize(ours, kernels); default auto: each kernel point measured once per shape
     # class on this machine, the choices and the one-time cost recorded in the JSON and the log): the plain model
@@ -51,10 +52,14 @@ What it does, per attention backend (`--backends`, transformers and ours both on
                `sparse_prediction=True` (the MLM decoder runs on the masked positions only);
        mlm_dense  the same step with ours kernelized with `sparse_prediction=False` (full (b, s, V)
                logits as transformers; with --kernels reference mlm and mlm_dense both run the plain model);
-     `--against onnxruntime` instead exports transformers' BertModel and ours (scripts/export_onnx.py)
-     to ONNX, runs both in onnxruntime (all graph optimisations, the torch thread count), checks
-     them against the torch models (<= 1e-4 on real tokens) and times ORT(transformers), ours (torch)
-     and ORT(ours) interleaved on fixed and mixed;
+     `--against onnxruntime,openvino,compile` (any of them) instead times, on fixed and mixed, ours (torch)
+     beside transformers in torch and the runtimes named: onnxruntime (transformers' BertModel and ours
+     exported to ONNX, scripts/export_onnx.py; all graph optimisations), openvino (transformers' BertModel
+     through `openvino.convert_model`, compiled for "CPU" with the f32 precision hint and with OpenVINO's
+     defaults), compile (`torch.compile` of transformers' model and of ours), each on the torch thread count;
+     every runner's output is first checked against float32 transformers on the real tokens (<= 1e-4, or 3x
+     transformers' own bf16 autocast error for a runner computing in bf16), its error, precision and the
+     versions recorded;
   4. measures peak memory (CUDA: torch.cuda.max_memory_allocated; CPU: torch.profiler's
      allocator events summed op by op, see `cpu_peak_and_activations`) and the model-FLOPs utilisation
      against a matmul peak measured in the same run (`matmul_peak_flops`).
@@ -107,8 +112,8 @@ TARGETS = {"fixed": ("tokens/s", 1.05), "mixed": ("real tokens/s", 1.6), "mlm": 
 # mixed >= 2.5x, MLM >= 1.5x.
 TARGETS_BF16 = {"fixed": ("tokens/s", 1.3), "mixed": ("real tokens/s", 2.5), "mlm": ("tokens/s", 1.5),
                 "mlm_dense": ("tokens/s", 1.0)}
-# against onnxruntime (fp32): ours / ORT running transformers' exported BERT.
-TARGETS_ORT = {"fixed": ("tokens/s", 1.0), "mixed": ("real tokens/s", 2.0)}
+# --against: the runtimes a user would serve transformers' BERT with on a CPU (run_anchors).
+ANCHORS = ("onnxruntime", "openvino", "compile")
 # GPU targets (bf16 on an H200): fixed >= 1.1x, mixed >= 2x, MLM >= 1.3x vs transformers' sdpa.
 TARGETS_CUDA = {"fixed": ("tokens/s", 1.1), "mixed": ("real tokens/s", 2.0), "mlm": ("tokens/s", 1.3),
                 "mlm_dense": ("tokens/s", 1.0)}
@@ -137,8 +142,10 @@ class BenchmarkArguments:
     )
     against: str = field(
         default="transformers",
-        metadata={"help": "transformers (in torch) or onnxruntime (transformers' BERT and ours exported to ONNX; "
-                          "fixed, mixed)"},
+        metadata={"help": "transformers (in torch), or the CPU runtimes to time beside it in one run, "
+                          "comma-separated: onnxruntime (transformers' BERT and ours exported to ONNX), openvino "
+                          "(transformers' BERT converted; f32 hint and OpenVINO's default precision), compile "
+                          "(torch.compile of transformers' and ours); fixed, mixed"},
     )
     pairs: int = field(default=0,
                        metadata={"help": "timed (transformers, ours) pairs per workload; 0 = 20 for tiny, 7 for base"})
@@ -208,11 +215,14 @@ def check_args(args: BenchmarkArguments) -> None:
         fail(f"--autocast_scope must be forward or run, got {args.autocast_scope!r}")
     if args.autocast_scope == "run" and args.dtype != "autocast":
         fail(f"--autocast_scope run needs --dtype autocast, got --dtype {args.dtype}")
-    if args.against not in ("transformers", "onnxruntime"):
-        fail(f"--against must be transformers or onnxruntime, got {args.against!r}")
-    if args.against == "onnxruntime":
+    anchors = args.against.split(",")
+    if args.against != "transformers" and (not anchors or any(a not in ANCHORS for a in anchors)):
+        fail(f"--against must be transformers or a comma-separated subset of {','.join(ANCHORS)}, "
+             f"got {args.against!r}")
+    if args.against != "transformers":
         if args.dtype != "fp32" or args.device == "cuda":
-            fail(f"--against onnxruntime runs on the CPU in fp32, got --dtype {args.dtype} --device {args.device}")
+            fail(f"--against {args.against} runs on the CPU from float32 weights, got --dtype {args.dtype} "
+                 f"--device {args.device}")
         if any(w not in ("fixed", "mixed") for w in args.workloads.split(",")):
             args.workloads = ",".join(w for w in args.workloads.split(",") if w in ("fixed", "mixed")) or "fixed,mixed"
     try:
@@ -732,12 +742,62 @@ class _Session:
         return torch.from_numpy(self.session.run(None, feed)[0])
 
 
-def run_onnxruntime(args, device, tokenizer, peaks, start_s: float = 0.0):
-    """ours (torch) vs onnxruntime running transformers' BERT, and our own ONNX export, same weights;
-    outputs checked (<= 1e-4 on real tokens) before timing, then timed interleaved (ORT-transformers,
-    ours, ORT-ours, ...)."""
+class _OpenVINO:
+    """An OpenVINO compiled model called like our encoder: run(batch) -> last_hidden_state (a torch tensor)."""
+
+    def __init__(self, compiled, names):
+        self.compiled, self.names = compiled, names
+        self.request = compiled.create_infer_request()
+
+    def __call__(self, batch):
+        self.request.infer({name: batch[name].numpy() for name in self.names})
+        return torch.from_numpy(self.request.get_output_tensor(0).data.copy())
+
+
+def openvino_runners(hf, threads: int, example: dict) -> dict:
+    """transformers' BertModel converted with `openvino.convert_model(model, example_input=...)` (the call a user
+    makes; dynamic shapes) and compiled for "CPU" twice: INFERENCE_PRECISION_HINT f32, and OpenVINO's defaults
+    (bf16 on CPUs with bf16 units, f32 elsewhere); `threads` inference threads. {name: (runner, precision)}."""
+    import openvino as ov
+
+    names = list(example)
+    converted = ov.convert_model(_LastHiddenState(hf.bert).eval(), example_input=example)
+    core, runners = ov.Core(), {}
+    for name, hint in (("openvino_f32", {"INFERENCE_PRECISION_HINT": "f32"}), ("openvino_default", {})):
+        compiled = core.compile_model(converted, "CPU", {**hint, "INFERENCE_NUM_THREADS": threads})
+        precision = compiled.get_property("INFERENCE_PRECISION_HINT")  # an openvino Type: f32, bf16 (or f16)
+        runners[name] = (_OpenVINO(compiled, names), getattr(precision, "get_type_name", precision.__str__)())
+    return runners
+
+
+def compiled_runners(hf, ours) -> dict:
+    """torch.compile (inductor, its defaults) of transformers' BertModel and of ours as this run puts it on (while
+    compiling, ours' kernels give way to the plain model's code: compilers see standard modules)."""
+    runners = {}
+    for name, module in (("transformers_compile", hf.bert), ("ours_compile", ours.bert)):
+        fn = torch.compile(module)
+        runners[name] = (lambda batch, fn=fn: fn(**batch).last_hidden_state, "f32")
+    return runners
+
+
+def anchor_versions(anchors) -> dict:
+    versions = {"torch": torch.__version__}
+    for anchor, module in (("onnxruntime", "onnxruntime"), ("openvino", "openvino")):
+        if anchor in anchors:
+            versions[module] = __import__(module).__version__
+    return versions
+
+
+def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
+    """ours (torch) vs the runtimes a user would serve transformers' BERT with, same weights, in one interleaved run:
+    transformers in torch (eager, sdpa; the baseline), and per `--against` onnxruntime (transformers' and our ONNX
+    export), openvino (f32 hint and its defaults), compile (torch.compile of transformers' and of ours). Outputs
+    first: each runner against float32 transformers on the real tokens, within 1e-4 for a float32 runner and within
+    3x transformers' own bf16 autocast error for one in a lower precision, or the run stops; then fixed and mixed
+    timed."""
     import tempfile
 
+    anchors = args.against.split(",")
     hf, ours = build_models(args, "sdpa", device, torch.float32)
     hf.eval()
     ours.eval()
@@ -745,68 +805,92 @@ def run_onnxruntime(args, device, tokenizer, peaks, start_s: float = 0.0):
     for b in batches.values():
         b.setdefault("token_type_ids", torch.zeros_like(b["input_ids"]))
     threads = torch.get_num_threads()
+    inputs = ("input_ids", "attention_mask", "token_type_ids")
+    runners = {"transformers": (lambda batch: hf.bert(**batch).last_hidden_state, "f32"),
+               "ours": (lambda batch: ours.bert(**batch).last_hidden_state, "f32")}
     with tempfile.TemporaryDirectory() as workdir:
-        sessions = {k: _Session(v) for k, v in onnx_sessions(hf, ours, threads, workdir).items()}
-        checks = {}
+        if "onnxruntime" in anchors:
+            runners.update({k: (_Session(v), "f32") for k, v in onnx_sessions(hf, ours, threads, workdir).items()})
+        if "openvino" in anchors:
+            runners.update(openvino_runners(hf, threads, {k: batches["fixed"][k] for k in inputs}))
+        if "compile" in anchors:
+            runners.update(compiled_runners(hf, ours))
+        errors, bf16_error = {}, None
         for name in ("fixed", "mixed"):
-            x = {k: batches[name][k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+            x = {k: batches[name][k] for k in inputs}
             real = x["attention_mask"].bool()
             with torch.no_grad():
                 ref = hf.bert(**x).last_hidden_state
-                mine = ours.bert(**x).last_hidden_state
-            for tag, session in sessions.items():
-                out = session(x)
-                checks[f"{name}_{tag}_vs_ours"] = (out - mine)[real].abs().max().item()
-                checks[f"{name}_{tag}_vs_transformers"] = (out - ref)[real].abs().max().item()
-        print("[onnxruntime] outputs (max |diff| on real tokens): "
-              + ", ".join(f"{k}={v:.2e}" for k, v in checks.items()))
-        bad = {k: v for k, v in checks.items() if not v <= 1e-4}
+                if any(precision != "f32" for _, precision in runners.values()):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        own = hf.bert(**x).last_hidden_state.float()
+                    bf16_error = max(bf16_error or 0.0, (own - ref)[real].abs().max().item())
+                for tag, (run, _) in runners.items():
+                    errors[f"{name}_{tag}"] = (run(x).float() - ref)[real].abs().max().item()
+        tolerance = {tag: 1e-4 if precision == "f32" else 3 * bf16_error for tag, (_, precision) in runners.items()}
+        print("[anchors] outputs against float32 transformers (max |diff| on real tokens): "
+              + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+        bad = {k: v for k, v in errors.items() if not v <= tolerance[k.split("_", 1)[1]]}
         if bad:
-            fail(f"onnxruntime outputs differ by more than 1e-4: {bad}")
+            fail(f"outputs differ from float32 transformers by more than their precision's tolerance: {bad} "
+                 f"(tolerances {tolerance})")
         pairs = args.pairs or (20 if args.size == "tiny" else 7)
         results = {}
         for workload in args.workloads.split(","):
-            batch = {k: batches[workload][k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+            batch = {k: batches[workload][k] for k in inputs}
             mask = batch["attention_mask"]
-            fns = {"onnxruntime_transformers": lambda b=batch: sessions["onnxruntime_transformers"](b),
-                   "ours": step_fn(ours, workload, batch, None),
-                   "onnxruntime_ours": lambda b=batch: sessions["onnxruntime_ours"](b)}
+            fns = {tag: (lambda run=run, b=batch: run(b)) for tag, (run, _) in runners.items()}
+            fns["ours"] = step_fn(ours, workload, batch, None)
+            for tag in ("transformers", "transformers_compile", "ours_compile"):
+                if tag in fns:
+                    fns[tag] = (lambda fn=fns[tag]: _no_grad(fn))
             workload_start = kernels_bert_impl.measurement_seconds()
-            if args.kernels == "auto":  # ours' first call of a shape class measures its kernels: once, untimed
-                fns["ours"]()
+            for fn in fns.values():  # untimed first calls: ours' kernel measuring, compilers' first shapes
+                fn()
             times = interleaved(fns, pairs, args.warmup, device)
             flops = model_flops(ours.config, workload, mask.sum(1).tolist(), 0)
-            row = timing_row(times, "onnxruntime_transformers", pairs, mask, flops, peaks.best)
+            row = timing_row(times, "transformers", pairs, mask, flops, peaks.best)
             row["ours_kernels"] = kernel_record(args, start_s, workload_start, ours)
-            row.update(ratios(times["onnxruntime_transformers"], times["onnxruntime_ours"], prefix="ours_onnx_ratio"))
+            for tag in times:
+                row[tag]["precision"] = runners[tag][1]
+                row[tag]["max_abs_diff_vs_transformers_fp32"] = errors[f"{workload}_{tag}"]
+                if tag != "ours":
+                    row.update(ratios(times[tag], times["ours"], prefix=f"ours_vs_{tag}"))
             results[workload] = row
             for tag in times:
                 r = row[tag]
-                print(f"  {workload:6s} {tag:25s} {r['latency_ms']:9.1f} ms {r['tokens_per_s_padded']:10.0f} tok/s "
-                      f"{r['tokens_per_s_real']:10.0f} real tok/s")
+                versus = f"  ours / it {row[f'ours_vs_{tag}_median']:.3f}x" if tag != "ours" else ""
+                print(f"  {workload:6s} {tag:25s} {r['precision']:5s} {r['latency_ms']:9.1f} ms "
+                      f"{r['tokens_per_s_real']:10.0f} real tok/s{versus}")
             print(f"  {workload:6s} ours' kernels: {describe_kernels(row['ours_kernels'])}")
-            print(f"  {workload:6s} ours / onnxruntime(transformers): {row['ratio_median']:.3f}x "
-                  f"(range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}); our ONNX export in onnxruntime / "
-                  f"onnxruntime(transformers): {row['ours_onnx_ratio_median']:.3f}x; real-token fraction "
-                  f"{row['real_token_fraction']:.3f}")
             peaks.sample()
-    return {"checks": checks, "workloads": results, "mixed_lengths": lengths, "text": source}
+    return {"anchors": anchors, "versions": anchor_versions(anchors), "errors": errors,
+            "tolerances": tolerance, "bf16_autocast_error_transformers": bf16_error,
+            "workloads": results, "mixed_lengths": lengths, "text": source}
 
 
-def markdown_table_ort(result) -> str:
-    lines = ["| workload | onnxruntime (transformers' BERT) tok/s (real) | ours (torch) tok/s (real) "
-             "| ours / ORT (median) [range] | target | our ONNX export in ORT tok/s (real) "
-             "| our ONNX / ORT(transformers) |",
-             "|---|---|---|---|---|---|---|"]
-    for w, row in result["backends"]["onnxruntime"]["workloads"].items():
-        target = TARGETS_ORT[w][1]
-        ok = "met" if row["ratio_median"] >= target else f"missed by {target - row['ratio_median']:.2f}"
-        lines.append(
-            f"| {w} | {row['onnxruntime_transformers']['tokens_per_s_real']:.0f} "
-            f"| {row['ours']['tokens_per_s_real']:.0f} "
-            f"| **{row['ratio_median']:.2f}x** [{row['ratio_min']:.2f}-{row['ratio_max']:.2f}] | >= {target}x ({ok}) "
-            f"| {row['onnxruntime_ours']['tokens_per_s_real']:.0f} | {row['ours_onnx_ratio_median']:.2f}x |"
-        )
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def markdown_table_anchors(result) -> str:
+    """One row per runner: precision, real tokens/s and ours / it on each workload, its error against float32
+    transformers."""
+    res = result["backends"]["anchors"]
+    workloads = list(res["workloads"])
+    first = res["workloads"][workloads[0]]
+    head = "| runner | precision | " + " | ".join(f"{w} tok/s (real) | ours / it, {w}" for w in workloads)
+    lines = [head + " | max \\|Δ\\| vs fp32 transformers |", "|---|---|" + "---|---|" * len(workloads) + "---|"]
+    for tag in [t for t in first if isinstance(first[t], dict) and "latency_ms" in first[t]]:
+        cells = []
+        for w in workloads:
+            row = res["workloads"][w]
+            ratio = "-" if tag == "ours" else (f"**{row[f'ours_vs_{tag}_median']:.2f}x** "
+                                               f"[{row[f'ours_vs_{tag}_min']:.2f}-{row[f'ours_vs_{tag}_max']:.2f}]")
+            cells.append(f"{row[tag]['tokens_per_s_real']:.0f} | {ratio}")
+        error = max(res["workloads"][w][tag]["max_abs_diff_vs_transformers_fp32"] for w in workloads)
+        lines.append(f"| {tag} | {first[tag]['precision']} | " + " | ".join(cells) + f" | {error:.1e} |")
     return "\n".join(lines)
 
 
@@ -827,8 +911,8 @@ def print_row(backend, workload, row):
 
 
 def markdown_table(result) -> str:
-    if "onnxruntime" in result["backends"]:
-        return markdown_table_ort(result)
+    if "anchors" in result["backends"]:
+        return markdown_table_anchors(result)
     if result.get("device_type") == "cuda":
         targets = TARGETS_CUDA
     else:
@@ -872,8 +956,8 @@ def main(argv=None):
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {"args": asdict(args), "command": command,
               "machine": info, "device_type": device.type, "backends": {}}
-    if args.against == "onnxruntime":
-        result["backends"]["onnxruntime"] = run_onnxruntime(args, device, tokenizer, peaks, start_s)
+    if args.against != "transformers":
+        result["backends"]["anchors"] = run_anchors(args, device, tokenizer, peaks, start_s)
     for backend in args.backends.split(",") if args.against == "transformers" else ():
         result["backends"][backend] = run_backend(args, backend, device, dtype, tokenizer, peaks, start_s)
     result["kernels"] = {**kernel_record(args, start_s), "cache": kernels_bert_impl.cache_path()}

@@ -361,7 +361,7 @@ def plot(report: dict, path: str) -> None:
                 marker="o",
                 markersize=2.5,
                 alpha=0.85,
-                label=f"{label} ({len(runs)} seeds)" if j == 0 else None,
+                label=f"{label} ({len(runs)} seed{'s' * (len(runs) != 1)})" if j == 0 else None,
             )
     target = report["summary"]["mean_final_loss"]["transformers"]
     ax.axhline(

@@ -17,7 +17,7 @@ from hf_bert_impl import data as D
 from hf_bert_impl.budget import STATE_FILE, TimeBudget
 
 from .conftest import ListDataset
-from .test_scripts import FAST, load_script, recomputed_accuracies
+from .test_scripts import load_script, recomputed_accuracies, script_args
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -267,33 +267,12 @@ def test_pretrain_mlm_time_budget_saves_a_loadable_model_and_its_card(tmp_path):
     (tmp_path / "valid.txt").write_text("\n".join(texts[60:75]) + "\n", encoding="utf-8")
     out = tmp_path / "out"
     metrics = pretrain.main(
-        [
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(tmp_path / "train.txt"),
-            "--validation_file",
-            str(tmp_path / "valid.txt"),
-            "--model_size",
-            "debug",
-            "--max_seq_length",
-            "32",
-            "--tokenizer_vocab_size",
-            "300",
-            "--per_device_train_batch_size",
-            "4",
-            "--per_device_eval_batch_size",
-            "5",
-            "--time_budget",
-            str(4 / 60),
-            "--eval_every_minutes",
-            str(1.2 / 60),
-            "--warmup_steps",
-            "0.1",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            output_dir=out, train_file=tmp_path / "train.txt", validation_file=tmp_path / "valid.txt",
+            model_size="debug", max_seq_length=32, tokenizer_vocab_size=300, per_device_train_batch_size=4,
+            per_device_eval_batch_size=5, time_budget=4 / 60, eval_every_minutes=1.2 / 60, warmup_steps="0.1",
+            save_strategy="no",
+        )
     )
     facts = json.loads((out / "training_facts.json").read_text())
     seconds, steps = facts["metrics"]["training_seconds"], facts["hyperparameters"]["max_steps"]
@@ -321,7 +300,7 @@ def test_pretrain_mlm_refuses_a_bad_time_budget(tmp_path, capsys):
         (["--eval_every_minutes", "1"], "--eval_every_minutes needs --time_budget"),
     ):
         with pytest.raises(cli.UsageError, match=message):
-            pretrain.main(["--output_dir", str(tmp_path), "--model_size", "debug", "--max_steps", "1", *flags, *FAST])
+            pretrain.main(script_args(*flags, output_dir=tmp_path, model_size="debug", max_steps=1))
 
 
 def _seconds_to_reach(curve: list[dict], target: float) -> float | None:

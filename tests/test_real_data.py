@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests import test_scripts
-from tests.test_scripts import FAST, read_jsonl, write_jsonl
+from tests.test_scripts import FAST, read_jsonl, script_args, write_jsonl
 
 
 files, finetune, pretrain = test_scripts.files, test_scripts.finetune, test_scripts.pretrain  # the shared fixtures
@@ -61,19 +61,9 @@ def test_glue_test_split_with_placeholder_labels_gets_predictions_only(finetune,
     )
     out = tmp_path / "out"
     metrics = finetune.main(
-        [
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "2",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            model_name_or_path=files / "mlm", dataset_name=data, output_dir=out, max_steps=2, save_strategy="no",
+        )
     )
     assert "eval_accuracy" in metrics
     assert not [k for k in metrics if k.startswith("test_")], metrics
@@ -103,19 +93,9 @@ def test_mnli_split_names_are_evaluated(finetune, files, tmp_path):
     )
     out = tmp_path / "out"
     metrics = finetune.main(
-        [
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "2",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            model_name_or_path=files / "mlm", dataset_name=data, output_dir=out, max_steps=2, save_strategy="no",
+        )
     )
     assert "eval_accuracy" in metrics and not [k for k in metrics if k.startswith("test")]
     facts = json.loads((out / "training_facts.json").read_text())
@@ -201,21 +181,10 @@ def test_token_classification_reports_entity_scores(finetune, files, tmp_path):
     rows = _ner_rows()
     train, dev = write_jsonl(tmp_path / "ner.jsonl", rows), write_jsonl(tmp_path / "dev.jsonl", rows[:4])
     metrics = finetune.main(
-        [
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--output_dir",
-            str(tmp_path / "ner"),
-            "--train_file",
-            str(train),
-            "--validation_file",
-            str(dev),
-            "--max_steps",
-            "2",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            model_name_or_path=files / "mlm", output_dir=tmp_path / "ner", train_file=train, validation_file=dev,
+            max_steps=2, save_strategy="no",
+        )
     )
     assert {"eval_accuracy", "eval_precision", "eval_recall", "eval_f1"} <= set(metrics)
     assert "eval_f1_macro" not in metrics
@@ -276,17 +245,9 @@ def test_finetune_resume_from_checkpoint_true_takes_the_latest_checkpoint(finetu
     rows = [{"sentence": s, "label": i % 2} for i, s in enumerate(SENTENCES)]
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     out = tmp_path / "cls"
-    common = [
-        "--model_name_or_path",
-        str(files / "mlm"),
-        "--output_dir",
-        str(out),
-        "--train_file",
-        str(train),
-        "--per_device_train_batch_size",
-        "4",
-        *FAST,
-    ]
+    common = script_args(
+        model_name_or_path=files / "mlm", output_dir=out, train_file=train, per_device_train_batch_size=4,
+    )
     finetune.main([*common, "--max_steps", "2", "--save_steps", "1"])
     assert (out / "checkpoint-2").is_dir()
     finetune.main([*common, "--max_steps", "3", "--save_strategy", "no", "--resume_from_checkpoint", "true"])
@@ -412,28 +373,10 @@ def test_pretrain_streaming_from_local_files(pretrain, files, tmp_path, fmt):
         datasets.Dataset.from_dict({"text": texts}).to_parquet(path)
     out = tmp_path / "out"
     pretrain.main(
-        [
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(path),
-            "--streaming",
-            "--max_steps",
-            "3",
-            "--save_steps",
-            "2",
-            "--model_size",
-            "debug",
-            "--max_seq_length",
-            "32",
-            "--tokenizer_vocab_size",
-            "300",
-            "--tokenizer_train_samples",
-            "60",
-            "--per_device_train_batch_size",
-            "4",
-            *FAST,
-        ]
+        script_args(
+            output_dir=out, train_file=path, streaming=True, max_steps=3, save_steps=2, model_size="debug",
+            max_seq_length=32, tokenizer_vocab_size=300, tokenizer_train_samples=60, per_device_train_batch_size=4,
+        )
     )
     facts = json.loads((out / "training_facts.json").read_text())
     assert facts["hyperparameters"]["streaming"] is True and facts["hyperparameters"]["max_steps"] == 3
@@ -463,25 +406,9 @@ def test_pretrain_pack_sequences(pretrain, files, tmp_path):
     assert (batch["labels"] != -100).sum() > 0
     out = tmp_path / "packed"
     pretrain.main(
-        [
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(files / "train.txt"),
-            "--pack_sequences",
-            "--max_steps",
-            "2",
-            "--model_size",
-            "debug",
-            "--max_seq_length",
-            "32",
-            "--tokenizer_vocab_size",
-            "300",
-            "--per_device_train_batch_size",
-            "4",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            output_dir=out, train_file=files / "train.txt", pack_sequences=True, max_steps=2, model_size="debug",
+            max_seq_length=32, tokenizer_vocab_size=300, per_device_train_batch_size=4, save_strategy="no",
+        )
     )
     assert json.loads((out / "training_facts.json").read_text())["hyperparameters"]["pack_sequences"] is True

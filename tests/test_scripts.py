@@ -30,6 +30,16 @@ SCRIPTS = REPO_ROOT / "scripts"
 FAST = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1", "--seed", "5"]
 
 
+def script_args(*extra: str, **options) -> list[str]:
+    """A script's command line for a quick run: each option as `--name value` (True: the bare flag), then `extra`
+    as given, then FAST: script_args(output_dir=out, max_steps=2) == ["--output_dir", str(out), "--max_steps", "2",
+    *FAST]."""
+    argv = []
+    for name, value in options.items():
+        argv += [f"--{name}"] if value is True else [f"--{name}", str(value)]
+    return [*argv, *extra, *FAST]
+
+
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -158,28 +168,11 @@ def test_pretrain_mlm_writes_a_complete_hub_directory(pretrain, files, tmp_path)
 
     out = tmp_path / "mlm"
     metrics = pretrain.main(
-        [
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(files / "train.txt"),
-            "--validation_file",
-            str(files / "valid.txt"),
-            "--model_size",
-            "debug",
-            "--max_seq_length",
-            "32",
-            "--tokenizer_vocab_size",
-            "300",
-            "--whole_word_mask",
-            "--max_steps",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            output_dir=out, train_file=files / "train.txt", validation_file=files / "valid.txt", model_size="debug",
+            max_seq_length=32, tokenizer_vocab_size=300, whole_word_mask=True, max_steps=4,
+            per_device_train_batch_size=4, save_strategy="no",
+        )
     )
     recomputed = recomputed_accuracies(out, files / "valid.txt", seed=5, max_seq_length=32, whole_word_mask=True)
     assert recomputed["positions"] > 50
@@ -204,28 +197,11 @@ def test_pretrain_with_next_sentence_prediction(pretrain, files, tmp_path):
     recomputed from the saved model's predictions on the held-out pairs."""
     out = tmp_path / "nsp"
     metrics = pretrain.main(
-        [
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(files / "train.txt"),
-            "--validation_file",
-            str(files / "valid.txt"),
-            "--tokenizer_name",
-            str(files / "mlm"),
-            "--model_size",
-            "debug",
-            "--max_seq_length",
-            "48",
-            "--nsp",
-            "--max_steps",
-            "3",
-            "--per_device_train_batch_size",
-            "4",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            output_dir=out, train_file=files / "train.txt", validation_file=files / "valid.txt",
+            tokenizer_name=files / "mlm", model_size="debug", max_seq_length=48, nsp=True, max_steps=3,
+            per_device_train_batch_size=4, save_strategy="no",
+        )
     )
     recomputed = recomputed_accuracies(out, files / "valid.txt", seed=5, max_seq_length=48, nsp=True)
     assert metrics["eval_nsp_accuracy"] == pytest.approx(recomputed["nsp_accuracy"], abs=1e-12), recomputed
@@ -238,25 +214,10 @@ def test_pretrain_continues_from_a_transformers_bert_checkpoint(pretrain, minilm
     its tokenizer used, trained 2 steps, saved as bert_impl with the base model recorded."""
     out = tmp_path / "cont"
     pretrain.main(
-        [
-            "--output_dir",
-            str(out),
-            "--model_name_or_path",
-            str(minilm_dir),
-            "--max_seq_length",
-            "16",
-            "--max_train_samples",
-            "8",
-            "--max_eval_samples",
-            "4",
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "2",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            output_dir=out, model_name_or_path=minilm_dir, max_seq_length=16, max_train_samples=8, max_eval_samples=4,
+            max_steps=2, per_device_train_batch_size=2, save_strategy="no",
+        )
     )
     config, facts = assert_hub_directory(out, "BertImplForMaskedLM")
     assert config["num_hidden_layers"] == 6 and config["hidden_size"] == 384
@@ -269,28 +230,11 @@ def test_pretrain_training_flags(pretrain, files, tmp_path, flag):
     """--gradient_checkpointing and --bf16 (CPU autocast here) run through and give a finite loss."""
     out = tmp_path / flag.strip("-")
     pretrain.main(
-        [
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(files / "train.txt"),
-            "--tokenizer_name",
-            str(files / "mlm"),
-            "--model_size",
-            "debug",
-            "--max_seq_length",
-            "16",
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--validation_split_percentage",
-            "0",
-            "--save_strategy",
-            "no",
-            flag,
-            *FAST,
-        ]
+        script_args(
+            flag, output_dir=out, train_file=files / "train.txt", tokenizer_name=files / "mlm", model_size="debug",
+            max_seq_length=16, max_steps=2, per_device_train_batch_size=4, validation_split_percentage=0,
+            save_strategy="no",
+        )
     )
     state = json.loads((out / "trainer_state.json").read_text())
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
@@ -321,25 +265,11 @@ def test_finetune_sentence_pairs_with_string_labels_and_unlabelled_test_file(fin
         w.writerows({k: r[k] for k in ("sentence1", "sentence2")} for r in rows[:5])
     out = tmp_path / "pairs"
     metrics = finetune.main(
-        [
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(tmp_path / "train.csv"),
-            "--validation_file",
-            str(tmp_path / "dev.csv"),
-            "--test_file",
-            str(tmp_path / "test.csv"),
-            "--max_steps",
-            "3",
-            "--per_device_train_batch_size",
-            "8",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            model_name_or_path=files / "mlm", output_dir=out, train_file=tmp_path / "train.csv",
+            validation_file=tmp_path / "dev.csv", test_file=tmp_path / "test.csv", max_steps=3,
+            per_device_train_batch_size=8, save_strategy="no",
+        )
     )
     assert set(metrics) >= {"eval_accuracy", "eval_f1", "eval_matthews_correlation", "eval_loss"}
     config, facts = assert_hub_directory(out, "BertImplForSequenceClassification")
@@ -357,23 +287,10 @@ def test_finetune_regression_on_float_labels(finetune, files, tmp_path):
     dev = write_jsonl(tmp_path / "dev.jsonl", rows[14:])
     out = tmp_path / "reg"
     metrics = finetune.main(
-        [
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(train),
-            "--validation_file",
-            str(dev),
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "7",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            model_name_or_path=files / "mlm", output_dir=out, train_file=train, validation_file=dev, max_steps=2,
+            per_device_train_batch_size=7, save_strategy="no",
+        )
     )
     assert {"eval_pearson", "eval_spearmanr", "eval_mse"} <= set(metrics)
     config, _ = assert_hub_directory(out, "BertImplForSequenceClassification")
@@ -411,23 +328,10 @@ def test_finetune_token_classification_aligns_word_labels(finetune, files, tmp_p
 
     out = tmp_path / "ner"
     metrics = finetune.main(
-        [
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(train),
-            "--validation_file",
-            str(dev),
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "6",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            model_name_or_path=files / "mlm", output_dir=out, train_file=train, validation_file=dev, max_steps=2,
+            per_device_train_batch_size=6, save_strategy="no",
+        )
     )
     assert {"eval_accuracy", "eval_precision", "eval_recall", "eval_f1"} <= set(metrics)  # seqeval, IOB tags
     config, facts = assert_hub_directory(out, "BertImplForTokenClassification")
@@ -446,30 +350,11 @@ def test_finetune_early_stopping_stops_when_the_eval_loss_stalls(finetune, files
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     out = tmp_path / "es"
     finetune.main(
-        [
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(train),
-            "--validation_file",
-            str(train),
-            "--num_train_epochs",
-            "20",
-            "--per_device_train_batch_size",
-            "8",
-            "--learning_rate",
-            "0",
-            "--eval_strategy",
-            "epoch",
-            "--save_strategy",
-            "epoch",
-            "--load_best_model_at_end",
-            "--early_stopping_patience",
-            "1",
-            *FAST,
-        ]
+        script_args(
+            model_name_or_path=files / "mlm", output_dir=out, train_file=train, validation_file=train,
+            num_train_epochs=20, per_device_train_batch_size=8, learning_rate=0, eval_strategy="epoch",
+            save_strategy="epoch", load_best_model_at_end=True, early_stopping_patience=1,
+        )
     )
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 2, f"expected a stop after 2 epochs, ran {state['global_step']} steps"
@@ -483,23 +368,10 @@ def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_pa
 
     out = tmp_path / "topic"
     metrics = finetune.main(
-        [
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "16",
-            "--per_device_eval_batch_size",
-            "128",
-            "--max_seq_length",
-            "48",
-            "--save_strategy",
-            "no",
-            *FAST,
-        ]
+        script_args(
+            model_name_or_path=files / "mlm", output_dir=out, max_steps=2, per_device_train_batch_size=16,
+            per_device_eval_batch_size=128, max_seq_length=48, save_strategy="no",
+        )
     )
     task = statement_topic_task()
     assert "test_accuracy" in metrics
@@ -593,7 +465,7 @@ def test_bad_train_file_stops_before_training_with_one_line(script_name, files, 
     monkeypatch.setattr(script.Trainer, "train", lambda *a, **k: trained.append(1))
     for path, problem in _bad_train_files(tmp_path, script_name):
         out = tmp_path / f"out_{path.stem}"
-        argv = ["--output_dir", str(out), "--train_file", str(path), *FAST]
+        argv = script_args(output_dir=out, train_file=path)
         if script_name == "finetune":
             argv += ["--model_name_or_path", str(files / "mlm")]
         monkeypatch.setattr(sys, "argv", [f"{script_name}.py", *argv])
@@ -711,25 +583,10 @@ def test_pretrain_mlm_applies_the_speed_layer_and_saves_the_plain_model(
     (target / "notes.txt").write_text("kept")
     link = tmp_path / "link"
     link.symlink_to(target, target_is_directory=True)
-    common = [
-        "--train_file",
-        str(files / "train.txt"),
-        "--tokenizer_name",
-        str(files / "mlm"),
-        "--model_size",
-        "debug",
-        "--max_seq_length",
-        "16",
-        "--max_steps",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
-        "--validation_split_percentage",
-        "0",
-        "--save_strategy",
-        "no",
-        *FAST,
-    ]
+    common = script_args(
+        train_file=files / "train.txt", tokenizer_name=files / "mlm", model_size="debug", max_seq_length=16,
+        max_steps=2, per_device_train_batch_size=4, validation_split_percentage=0, save_strategy="no",
+    )
     with pytest.raises(UsageError, match="--kernels: kernels must be .* got 'fastest'"):
         pretrain.main(["--output_dir", str(tmp_path / "bad"), *common, "--kernels", "fastest"])
     caplog.set_level(logging.INFO, logger="pretrain_mlm")

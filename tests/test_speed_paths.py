@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, DataCollatorWithFlattening
+from transformers.activations import ACT2FN
 
 import hf_bert_impl
 from hf_bert_impl import BertImplForMaskedLM, BertImplForPreTraining, BertImplModel, kernelize, kernelized
@@ -745,6 +746,37 @@ def test_auto_dropout_takes_the_faster_kernel_whose_statistics_hold(fresh_choice
     assert next(iter(json.loads(fresh_choices.read_text()).values())) == K.chosen_kernels()
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_auto_times_training_linears_with_their_backward(fresh_choices, monkeypatch, grad):
+    """"auto" at a linear point in grad mode times each candidate on forward + backward (a GEMM that wins the
+    forward can lose the step), in inference on the forward alone; every candidate's output agrees with F.linear."""
+    if K._onednn_op() is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    layer, act = nn.Linear(16, 24), ACT2FN["gelu"]  # the model's activation class (oneDNN can fuse it)
+    backwards, timed = [], []
+    act.register_full_backward_hook(lambda *a: backwards.append(1))
+    x = torch.randn(4, 16, requires_grad=grad)
+
+    def counting(fn, reps=3, warm=False):  # the timing itself rigged: each candidate's call counted, no clock
+        before = len(backwards)
+        fn()
+        timed.append(len(backwards) - before)
+        return float(len(timed))  # the first timed candidate (the reference) is the fastest
+
+    monkeypatch.setattr(K, "_median_seconds", counting)
+    with torch.set_grad_enabled(grad):
+        out = K.linear_kernel("auto", layer, x, act)
+        expected = act(F.linear(x, layer.weight, layer.bias))
+    assert out is None  # the reference won: the plain path runs
+    assert len(timed) >= 2  # the reference and oneDNN's linear at least
+    assert timed == [1 if grad else 0] * len(timed)  # each timed call ran one backward in grad mode, none otherwise
+    assert {k.split("|")[-2] for k in K.chosen_kernels()} == {"train" if grad else "infer"}
+    candidates = K._linear_candidates(x.detach(), layer.weight.detach(), layer.bias.detach(), act, grad)
+    assert ("fused_activation" in candidates) == (not grad)
+    for name, fn in candidates.items():
+        torch.testing.assert_close(fn(), expected.detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("setting,bits", [("bits_dropout", True), ("unpadded,bits_dropout", True),
                                           ("reference", False)])
 def test_training_attention_with_bits_dropout_runs_the_formula(debug_config, batch, setting, bits, monkeypatch):
@@ -1028,6 +1060,29 @@ def test_unpadding_with_gradient_checkpointing(debug_config, batch, monkeypatch)
     for m in (model, plain):
         m(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
     assert len(calls) == 1
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= ATOL, name
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_auto_measures_inside_gradient_checkpointing(debug_config, batch, fresh_choices, use_reentrant):
+    """"auto" making its first choices (training linears timed with their backward) inside a checkpointed layer:
+    the measuring's backward must not run gradient checkpointing's recompute (non-reentrant checkpointing packs every
+    saved tensor of the layer's forward; without its own hooks the measuring re-entered the layer and waited on its
+    own lock forever). Run in a thread with a deadline; the gradients are the plain model's."""
+    torch.manual_seed(0)
+    model = _model(BertImplForMaskedLM, debug_config(), "auto").train()  # dropout off: plain gradients comparable
+    plain = _plain(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    input_ids, attention_mask, _ = batch
+    labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
+    step = threading.Thread(daemon=True,
+                            target=lambda: model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward())
+    step.start()
+    step.join(timeout=120)
+    assert not step.is_alive(), "the kernelized training step under gradient checkpointing did not finish in 120 s"
+    assert any("|train|" in key for key in K.chosen_kernels()), K.chosen_kernels()
+    plain(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= ATOL, name
 
@@ -1818,6 +1873,46 @@ def test_benchmark_script_checks_outputs_and_writes_json(tmp_path):
     assert "| sdpa | mixed |" in result["markdown_table"]
 
 
+def test_benchmark_against_the_serving_runtimes_in_one_run(tmp_path, monkeypatch):
+    """--against onnxruntime,openvino,compile: transformers in torch, ours (kernelized, "auto"), onnxruntime running
+    transformers' and our ONNX export, OpenVINO (f32 hint and its defaults) and torch.compile of both, in one
+    interleaved run; each runner's output checked against float32 transformers first (its error and precision in the
+    JSON, within its precision's tolerance), the versions recorded, every ratio (ours / runner) from the raw times,
+    one markdown row per runner. A runner that disagrees stops the run (exit status 2)."""
+    monkeypatch.setenv("CI", "true")  # openvino's usage telemetry off (it writes under ~/intel outside CI)
+    for module in ("openvino", "onnxruntime", "onnxscript"):
+        pytest.importorskip(module)
+    result = _tiny_benchmark(tmp_path, "--against", "onnxruntime,openvino,compile", "--memory", "false")
+    anchors = result["backends"]["anchors"]
+    runners = {"transformers", "ours", "onnxruntime_transformers", "onnxruntime_ours", "openvino_f32",
+               "openvino_default", "transformers_compile", "ours_compile"}
+    assert set(anchors["versions"]) == {"torch", "onnxruntime", "openvino"}
+    assert set(anchors["workloads"]) == {"fixed", "mixed"} and len(anchors["errors"]) == 2 * len(runners)
+    for workload, row in anchors["workloads"].items():
+        assert runners == {tag for tag in row if isinstance(row[tag], dict) and "times_s" in row[tag]}, sorted(row)
+        _assert_row_follows_from_its_times(row, "transformers", result["matmul_peak_flops"]["best"])
+        assert row["ours_kernels"]["setting"] == "auto" and row["ours_kernels"]["kernelized"]["_encoder_forward"] == 1
+        for tag in runners - {"ours"}:
+            ratio = statistics.median(a / b for a, b in zip(row[tag]["times_s"], row["ours"]["times_s"]))
+            assert row[f"ours_vs_{tag}_median"] == pytest.approx(ratio, rel=1e-9)
+        for tag in runners:
+            error = row[tag]["max_abs_diff_vs_transformers_fp32"]
+            assert error == anchors["errors"][f"{workload}_{tag}"] <= anchors["tolerances"][tag]
+        assert row["openvino_f32"]["precision"] == "f32" and row["openvino_default"]["precision"] in ("f32", "bf16")
+    assert all(f"| {tag} |" in result["markdown_table"] for tag in runners)
+
+    bench = _benchmark_module()
+
+    def off_by_one(hf, ours):  # a runner 1.0 off transformers (uncompiled: the check, not the compiler, is tested)
+        return {"transformers_compile": (lambda batch: hf.bert(**batch).last_hidden_state + 1.0, "f32")}
+
+    monkeypatch.setattr(bench, "compiled_runners", off_by_one)
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
+                    "--peak_n", "256", "--against", "compile", "--memory", "false"])
+    assert stop.value.code == 2
+
+
 def test_benchmark_dense_mlm_step_checks_full_logits(tmp_path):
     """The MLM step with full logits (mlm_dense: kernelized with sparse_prediction=False) is checked against
     transformers' (b, s, V) logits before timing and timed as its own row; the mlm row runs the sparse decoder."""
@@ -1914,23 +2009,6 @@ def test_benchmark_mlm_step_uses_the_optimizer_trainer_builds(tmp_path, monkeypa
     assert not any(o.defaults["fused"] for o in made[2:])
 
 
-def test_benchmark_against_onnxruntime(tmp_path):
-    """transformers' BERT and ours (the plain model) exported to ONNX, checked (<= 1e-4) and timed against ours
-    (kernelized, "auto"); the ratios follow from the raw times."""
-    pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxscript")
-    result = _tiny_benchmark(tmp_path, "--against", "onnxruntime")
-    res = result["backends"]["onnxruntime"]
-    assert len(res["checks"]) == 8 and all(v <= 1e-4 for v in res["checks"].values()), res["checks"]
-    assert set(res["workloads"]) == {"fixed", "mixed"}
-    for row in res["workloads"].values():
-        _assert_row_follows_from_its_times(row, "onnxruntime_transformers", result["matmul_peak_flops"]["best"])
-        a, b = row["onnxruntime_transformers"]["times_s"], row["onnxruntime_ours"]["times_s"]
-        assert row["ours_onnx_ratio_median"] == pytest.approx(a[0] / b[0], rel=1e-9)
-        assert row["ours_kernels"]["setting"] == "auto" and row["ours_kernels"]["kernelized"]["_encoder_forward"] == 1
-    assert "| mixed |" in result["markdown_table"]
-
-
 def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     bench = _benchmark_module()
     lengths = bench.mixed_lengths(128, 8, torch.Generator().manual_seed(0))
@@ -1945,8 +2023,11 @@ def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     (["--dtype", "fp16"], "--dtype must be one of ['autocast', 'bf16', 'fp32'], got 'fp16'"),
     (["--kernels", "fast"], "--kernels must be auto, reference or kernel names from onednn_linear, fused_activation,"),
     (["--kernels", "onednn_linear,nope"], "got 'onednn_linear,nope'"),
-    (["--against", "tensorrt"], "--against must be transformers or onnxruntime, got 'tensorrt'"),
-    (["--against", "onnxruntime", "--dtype", "bf16"], "--against onnxruntime runs on the CPU in fp32"),
+    (["--against", "tensorrt"],
+     "--against must be transformers or a comma-separated subset of onnxruntime,openvino,compile, got 'tensorrt'"),
+    (["--against", "openvino,transformers"], "comma-separated subset of onnxruntime,openvino,compile, got 'openvino,"),
+    (["--against", "onnxruntime", "--dtype", "bf16"],
+     "--against onnxruntime runs on the CPU from float32 weights, got --dtype bf16"),
     (["--autocast_scope", "always"], "--autocast_scope must be forward or run, got 'always'"),
     (["--autocast_scope", "run"], "--autocast_scope run needs --dtype autocast, got --dtype fp32"),
     (["--optim", "adamw_fast"], "--optim 'adamw_fast': adamw_fast is not a valid OptimizerNames"),
