@@ -189,6 +189,22 @@ def kernel_facts(model, kernels: str, measured_before: float = 0.0) -> dict:
     }
 
 
+def kernel_record_path() -> str | None:
+    """Where this process records kernel choices (kernels_bert_impl.cache_path()), as a result file states it: under
+    the Hugging Face cache as `$HF_HOME/...`, under the home folder as `~/...` (no machine's own paths in a shared
+    result); None: recording is off."""
+    from huggingface_hub import constants
+
+    from .kernels_bert_impl import cache_path
+
+    path = cache_path()
+    for root, shown in ((constants.HF_HOME, "$HF_HOME"), (os.path.expanduser("~"), "~")):
+        relative = os.path.relpath(path, root) if path and os.path.isabs(path) else os.pardir
+        if not relative.startswith(os.pardir):
+            return os.path.join(shown, relative)
+    return path  # None (off), relative, or outside both
+
+
 def log_kernel_facts(facts: dict, logger) -> None:
     """The kernels a run used, one line each, on `logger` (info)."""
     chosen = facts["chosen"]

@@ -93,7 +93,7 @@ from transformers import (
 
 import hf_bert_impl
 from hf_bert_impl import BertImplForMaskedLM, kernels_bert_impl
-from hf_bert_impl.cli import machine_record, write_result_json
+from hf_bert_impl.cli import kernel_record_path, machine_record, write_result_json
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
 from hf_bert_impl.kernels_bert_impl import KERNELS, kernel_names
@@ -960,7 +960,7 @@ def main(argv=None):
         result["backends"]["anchors"] = run_anchors(args, device, tokenizer, peaks, start_s)
     for backend in args.backends.split(",") if args.against == "transformers" else ():
         result["backends"][backend] = run_backend(args, backend, device, dtype, tokenizer, peaks, start_s)
-    result["kernels"] = {**kernel_record(args, start_s), "cache": kernels_bert_impl.cache_path()}
+    result["kernels"] = {**kernel_record(args, start_s), "cache": kernel_record_path()}
     record = result["kernels"]["cache"] or "off (memory only)"
     print(f"ours' kernels: {describe_kernels(result['kernels'])}; record: {record}")
     peaks.sample()

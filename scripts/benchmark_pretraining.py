@@ -491,7 +491,7 @@ def main(argv=None) -> int:
             "setting": args.kernels,
             "chosen": kernels_bert_impl.chosen_kernels(),
             "measurement_seconds": round(kernels_bert_impl.measurement_seconds(), 3),
-            "cache": kernels_bert_impl.cache_path(),
+            "cache": cli.kernel_record_path(),
         },
         "machine": cli.machine_record(),
         "runs": runs,

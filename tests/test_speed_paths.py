@@ -1076,8 +1076,11 @@ def test_auto_measures_inside_gradient_checkpointing(debug_config, batch, fresh_
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     input_ids, attention_mask, _ = batch
     labels = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
-    step = threading.Thread(daemon=True,
-                            target=lambda: model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward())
+
+    def train_step():
+        model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+
+    step = threading.Thread(target=train_step, daemon=True)
     step.start()
     step.join(timeout=120)
     assert not step.is_alive(), "the kernelized training step under gradient checkpointing did not finish in 120 s"
@@ -1475,6 +1478,25 @@ def test_measurement_seconds_is_zero_when_every_choice_comes_from_the_record(deb
     with torch.no_grad():
         model(input_ids, attention_mask=attention_mask)
     assert K.chosen_kernels() and K.measurement_seconds() == 0.0
+
+
+def test_result_files_state_the_record_path_without_the_machines_own_folders(monkeypatch, tmp_path):
+    """What the scripts write into a result JSON for the record (cli.kernel_record_path): `$HF_HOME/...` for the
+    default place, `~/...` under the home folder, other paths as given, None when recording is off."""
+    from huggingface_hub import constants
+
+    from hf_bert_impl.cli import kernel_record_path
+
+    home, hf_home = tmp_path / "home", tmp_path / "home" / ".cache" / "huggingface"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HOME", str(hf_home))
+    monkeypatch.delenv("HF_BERT_IMPL_KERNEL_CACHE")
+    assert kernel_record_path() == os.path.join("$HF_HOME", "hf_bert_impl", "kernels.json")
+    cases = ((home / "k" / "r.json", os.path.join("~", "k", "r.json")), ("outputs/r.json", "outputs/r.json"),
+             (tmp_path / "r.json", str(tmp_path / "r.json")), ("off", None))
+    for given, shown in cases:
+        monkeypatch.setenv("HF_BERT_IMPL_KERNEL_CACHE", str(given))
+        assert kernel_record_path() == shown, given
 
 
 def test_the_record_lives_under_hf_home_and_another_version_measures_anew(debug_config, batch, fresh_choices,
