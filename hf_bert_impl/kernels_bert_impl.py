@@ -307,11 +307,11 @@ def _linear_candidates(x, w, b, act, grad: bool) -> dict:
     identity = (lambda y: y) if act is None else act
     forwards = {"reference": F.linear}
     op = _onednn_op()
-    y = torch.randn(8, w.size(0), dtype=x.dtype, generator=torch.Generator().manual_seed(0))  # a few rows suffice
-    if op is not None and x.dtype in TOLERANCE and _try_agrees(lambda: op(y, w.t(), None, "none", [], ""),
-                                                               F.linear(y, w.t())):  # the backward's transposed GEMM
-        forwards["onednn_linear"] = ((lambda x_, w_, b_: _LinearFunction.apply(x_, w_, b_, True, False)) if grad
-                                     else (lambda x_, w_, b_: op(x_, w_, b_, "none", [], "")))
+    if op is not None and x.dtype in TOLERANCE:
+        y = torch.randn(8, w.size(0), dtype=x.dtype, generator=torch.Generator().manual_seed(0))  # a few rows suffice
+        if _try_agrees(lambda: op(y, w.t(), None, "none", [], ""), F.linear(y, w.t())):  # the backward's GEMM
+            forwards["onednn_linear"] = ((lambda x_, w_, b_: _LinearFunction.apply(x_, w_, b_, True, False)) if grad
+                                         else (lambda x_, w_, b_: op(x_, w_, b_, "none", [], "")))
     if not grad:
         out = {name: (lambda f=f: identity(f(x, w, b))) for name, f in forwards.items()}
         if "onednn_linear" in out and _fusable(act, grad, x.dtype):

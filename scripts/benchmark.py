@@ -781,11 +781,8 @@ def compiled_runners(hf, ours) -> dict:
 
 
 def anchor_versions(anchors) -> dict:
-    versions = {"torch": torch.__version__}
-    for anchor, module in (("onnxruntime", "onnxruntime"), ("openvino", "openvino")):
-        if anchor in anchors:
-            versions[module] = __import__(module).__version__
-    return versions
+    return {"torch": torch.__version__, **{m: __import__(m).__version__ for m in ("onnxruntime", "openvino")
+                                           if m in anchors}}
 
 
 def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
@@ -815,7 +812,7 @@ def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
             runners.update(openvino_runners(hf, threads, {k: batches["fixed"][k] for k in inputs}))
         if "compile" in anchors:
             runners.update(compiled_runners(hf, ours))
-        errors, bf16_error = {}, None
+        errors, bf16_error = {}, None  # errors: {workload: {runner: max |diff| on real tokens}}
         for name in ("fixed", "mixed"):
             x = {k: batches[name][k] for k in inputs}
             real = x["attention_mask"].bool()
@@ -825,12 +822,12 @@ def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
                     with torch.autocast("cpu", dtype=torch.bfloat16):
                         own = hf.bert(**x).last_hidden_state.float()
                     bf16_error = max(bf16_error or 0.0, (own - ref)[real].abs().max().item())
-                for tag, (run, _) in runners.items():
-                    errors[f"{name}_{tag}"] = (run(x).float() - ref)[real].abs().max().item()
+                errors[name] = {tag: (run(x).float() - ref)[real].abs().max().item()
+                                for tag, (run, _) in runners.items()}
         tolerance = {tag: 1e-4 if precision == "f32" else 3 * bf16_error for tag, (_, precision) in runners.items()}
         print("[anchors] outputs against float32 transformers (max |diff| on real tokens): "
-              + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
-        bad = {k: v for k, v in errors.items() if not v <= tolerance[k.split("_", 1)[1]]}
+              + ", ".join(f"{w}_{tag}={v:.2e}" for w, row in errors.items() for tag, v in row.items()))
+        bad = {f"{w}_{tag}": v for w, row in errors.items() for tag, v in row.items() if not v <= tolerance[tag]}
         if bad:
             fail(f"outputs differ from float32 transformers by more than their precision's tolerance: {bad} "
                  f"(tolerances {tolerance})")
@@ -840,20 +837,17 @@ def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
             batch = {k: batches[workload][k] for k in inputs}
             mask = batch["attention_mask"]
             fns = {tag: (lambda run=run, b=batch: run(b)) for tag, (run, _) in runners.items()}
-            fns["ours"] = step_fn(ours, workload, batch, None)
-            for tag in ("transformers", "transformers_compile", "ours_compile"):
-                if tag in fns:
-                    fns[tag] = (lambda fn=fns[tag]: _no_grad(fn))
             workload_start = kernels_bert_impl.measurement_seconds()
-            for fn in fns.values():  # untimed first calls: ours' kernel measuring, compilers' first shapes
-                fn()
-            times = interleaved(fns, pairs, args.warmup, device)
+            with torch.no_grad():  # every runner infers
+                for fn in fns.values():  # untimed first calls: ours' kernel measuring, compilers' first shapes
+                    fn()
+                times = interleaved(fns, pairs, args.warmup, device)
             flops = model_flops(ours.config, workload, mask.sum(1).tolist(), 0)
             row = timing_row(times, "transformers", pairs, mask, flops, peaks.best)
             row["ours_kernels"] = kernel_record(args, start_s, workload_start, ours)
             for tag in times:
                 row[tag]["precision"] = runners[tag][1]
-                row[tag]["max_abs_diff_vs_transformers_fp32"] = errors[f"{workload}_{tag}"]
+                row[tag]["max_abs_diff_vs_transformers_fp32"] = errors[workload][tag]
                 if tag != "ours":
                     row.update(ratios(times[tag], times["ours"], prefix=f"ours_vs_{tag}"))
             results[workload] = row
@@ -867,11 +861,6 @@ def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
     return {"anchors": anchors, "versions": anchor_versions(anchors), "errors": errors,
             "tolerances": tolerance, "bf16_autocast_error_transformers": bf16_error,
             "workloads": results, "mixed_lengths": lengths, "text": source}
-
-
-def _no_grad(fn):
-    with torch.no_grad():
-        return fn()
 
 
 def markdown_table_anchors(result) -> str:

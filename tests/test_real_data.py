@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests import test_scripts
-from tests.test_scripts import FAST, read_jsonl, script_args, write_jsonl
+from tests.test_scripts import read_jsonl, script_args, write_jsonl
 
 
 files, finetune, pretrain = test_scripts.files, test_scripts.finetune, test_scripts.pretrain  # the shared fixtures
@@ -129,20 +129,8 @@ def _saved_model_accuracy(out, rows) -> float:
 
 def test_some_placeholder_labels_among_real_ones_is_a_usage_error(finetune, files, tmp_path, monkeypatch, capsys):
     data = hub_layout(tmp_path / "holes", {"train": [0, 1, -1, 2, 0, 1], "validation": [0, 1]}, pair=False)
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        [
-            "finetune.py",
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--dataset_name",
-            str(data),
-            "--output_dir",
-            str(tmp_path / "o"),
-            *FAST,
-        ],
-    )
+    argv = script_args(model_name_or_path=files / "mlm", dataset_name=data, output_dir=tmp_path / "o")
+    monkeypatch.setattr(sys, "argv", ["finetune.py", *argv])
     capsys.readouterr()
     assert finetune.cli.run_cli(finetune.main) == 2
     err = capsys.readouterr().err.strip()  # datasets' "Generating ... split" progress bars, then the error
@@ -208,26 +196,10 @@ def test_pack_sequences_gives_the_padded_runs_loss(finetune, files, tmp_path):
     for name, extra in (("padded", []), ("packed", ["--pack_sequences"])):
         out = tmp_path / name
         finetune.main(
-            [
-                "--model_name_or_path",
-                str(tmp_path / "no_dropout"),
-                "--output_dir",
-                str(out),
-                "--train_file",
-                str(train),
-                "--max_steps",
-                "1",
-                "--per_device_train_batch_size",
-                "12",
-                "--learning_rate",
-                "0",
-                "--save_strategy",
-                "no",
-                "--task_type",
-                "token",
-                *FAST,
-                *extra,
-            ]
+            script_args(
+                *extra, model_name_or_path=tmp_path / "no_dropout", output_dir=out, train_file=train, max_steps=1,
+                per_device_train_batch_size=12, learning_rate=0, save_strategy="no", task_type="token",
+            )
         )
         losses[name] = [
             h["loss"] for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h
@@ -285,21 +257,8 @@ def test_pretrain_bad_flag_values_are_one_line_usage_errors(
     """Includes --dataset_name together with --train_file, which ended in an UnboundLocalError traceback."""
     data = hub_layout(tmp_path / "data", {"train": [0, 1]}, pair=False)
     extra = [str(data) if e == "DATA" else e for e in extra]
-    code, err = _run_cli(
-        pretrain,
-        [
-            "--output_dir",
-            str(tmp_path / "o"),
-            "--train_file",
-            str(files / "train.txt"),
-            "--model_size",
-            "debug",
-            *FAST,
-            *extra,
-        ],
-        monkeypatch,
-        capsys,
-    )
+    argv = script_args(*extra, output_dir=tmp_path / "o", train_file=files / "train.txt", model_size="debug")
+    code, err = _run_cli(pretrain, argv, monkeypatch, capsys)
     assert code == 2 and len(err.splitlines()) == 1 and problem in err, err
     if "DATA" in extra or str(data) in extra:
         assert "exclusive" in err
@@ -320,21 +279,8 @@ def test_finetune_bad_flag_values_are_one_line_usage_errors(
     data = hub_layout(tmp_path / "data", {"train": [0, 1]}, pair=False)
     train = write_jsonl(tmp_path / "train.jsonl", [{"sentence": s, "label": i % 2} for i, s in enumerate(SENTENCES)])
     extra = [str(data) if e == "DATA" else e for e in extra]
-    code, err = _run_cli(
-        finetune,
-        [
-            "--model_name_or_path",
-            str(files / "mlm"),
-            "--output_dir",
-            str(tmp_path / "o"),
-            "--train_file",
-            str(train),
-            *FAST,
-            *extra,
-        ],
-        monkeypatch,
-        capsys,
-    )
+    argv = script_args(*extra, model_name_or_path=files / "mlm", output_dir=tmp_path / "o", train_file=train)
+    code, err = _run_cli(finetune, argv, monkeypatch, capsys)
     assert code == 2 and len(err.splitlines()) == 1 and problem in err, err
 
 
