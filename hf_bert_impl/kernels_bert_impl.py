@@ -38,7 +38,9 @@ given up after `LOCK_TIMEOUT_S` (the choices are then made and kept in memory): 
 seeded runs make the same choices. `chosen_kernels()` returns them; the logger "hf_bert_impl.kernels" says each one;
 `kernelized(model)` lists the modules and their kernels. The linear and dropout kernels run on plain CPU tensors
 outside torch.compile, export and tracing (there the reference runs); the unpadded layout runs on accelerators too (a
-compact grid, or flash-attention's varlen arguments).
+compact grid, or flash-attention's varlen arguments), and under torch.compile where dynamo is set to capture
+data-dependent sizes (`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the layers on the real tokens,
+attention on the padded grid; otherwise the compiled model is the plain one).
 """
 
 import functools
@@ -340,7 +342,7 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
     Per call only what can change is looked at: dtype, device, plain tensors, grad mode, CPU autocast, hooks."""
     choice = parse_setting(setting)
     w, b = layer.weight, layer.bias
-    if choice == "reference" or x.numel() == 0 or not _plain_cpu(x, w):
+    if choice == "reference" or not _plain_cpu(x, w) or x.numel() == 0:  # compiling: numel() unknown until run
         return None
     autocast, grad = torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()
     dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype  # the dtype the GEMM runs in
@@ -503,7 +505,9 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
     layouts = {"unpadded", "per_sequence_attention", "grid_attention"}
     if choice == "reference" or (choice != "auto" and not choice & layouts):
         return None
-    if torch.compiler.is_compiling() or not (impl in ("eager", "sdpa") or flash):
+    if torch.compiler.is_compiling():
+        return _traced_token_map(attention_mask, batch_shape, dtype) if impl in ("eager", "sdpa") else None
+    if not (impl in ("eager", "sdpa") or flash):
         return None
     b, s = batch_shape
     if attention_mask is not None:
@@ -547,6 +551,26 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
     valid = torch.arange(m, device=device)[None, :] < lengths_t[:, None]  # (n, m)
     mask = None if min(lengths) == m else _additive_mask(valid, dtype)  # (n, 1, 1, m)
     return TokenMap((b, s), (n, m), mask, indices=indices, grid_index=seq * m + slot)
+
+
+@torch.compiler.assume_constant_result  # read once while tracing, a constant of the graph
+def _captures_dynamic_shapes() -> bool:
+    import torch._dynamo
+
+    return bool(torch._dynamo.config.capture_dynamic_output_shape_ops)
+
+
+def _traced_token_map(attention_mask, batch_shape, dtype) -> TokenMap | None:
+    """The "layout" point while torch.compile traces: the real tokens of a padded batch, their count a size of the
+    graph known only when it runs, where dynamo is set to capture such ops (`torch._dynamo.config.
+    capture_dynamic_output_shape_ops = True`); attention on the padded batch as the grid (n, m) = (b, s), masked.
+    None otherwise: the padded batch (a data-dependent size would break the graph)."""
+    if attention_mask is None or not _captures_dynamic_shapes():
+        return None
+    keep = attention_mask.bool()  # (b, s)
+    indices = keep.flatten().nonzero().squeeze(1)  # (T,) row-major
+    shape = tuple(batch_shape)
+    return TokenMap(shape, shape, _additive_mask(keep, dtype), indices=indices, grid_index=indices)
 
 
 def _eager_bits_dropout(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
@@ -654,10 +678,13 @@ def _encoder_forward(self, input_ids=None, attention_mask=None, token_type_ids=N
     if tokens is None:
         return type(self).forward(self, *args, **kwargs)
     return_dict = kwargs.pop("return_dict", None)
-    if position_ids is None:  # real tokens keep their places in their rows
-        device = (input_ids if input_ids is not None else inputs_embeds).device
-        position_ids = torch.arange(shape[1], device=device)[None]
-    hidden_states = self.embeddings(*map(tokens.gather, (input_ids, token_type_ids, position_ids, inputs_embeds)))
+    if torch.compiler.is_compiling():  # the padded batch embedded, then its real tokens: no positions to read
+        hidden_states = tokens.gather(self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds))
+    else:
+        if position_ids is None:  # real tokens keep their places in their rows
+            device = (input_ids if input_ids is not None else inputs_embeds).device
+            position_ids = torch.arange(shape[1], device=device)[None]
+        hidden_states = self.embeddings(*map(tokens.gather, (input_ids, token_type_ids, position_ids, inputs_embeds)))
     for layer in self.layers:
         hidden_states = layer(hidden_states, None, bert_impl_tokens=tokens, **kwargs)
     hidden_states = tokens.scatter(hidden_states)  # (b, s, H), zeros at padding

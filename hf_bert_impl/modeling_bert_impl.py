@@ -131,7 +131,7 @@ class BertImplEmbeddings(nn.Module):
     def __init__(self, config: BertImplConfig):
         super().__init__()
         if (pad := config.pad_token_id or 0) >= config.vocab_size:  # None: no padding id
-            raise ValueError(f"BertImplConfig.pad_token_id must be in [0, vocab_size={config.vocab_size}), got {pad}")
+            raise ValueError(f"BertImplConfig.pad_token_id must be None or in [0, {config.vocab_size=}), got {pad}")
         self.config = config
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)

@@ -1,4 +1,5 @@
-"""Export with proof: torch.export with dynamic batch and sequence, ONNX checked in onnxruntime.
+"""Export with proof: torch.export with dynamic batch and sequence, ONNX checked in onnxruntime, OpenVINO's IR
+in OpenVINO.
 
 The exported graph is the plain model (the model a user loads; kernels run outside tracing only), so outputs are
 compared at every position with torch's plain model and with a kernelized copy (`hf_bert_impl.kernelize`), which runs
@@ -99,7 +100,7 @@ def test_onnx_export_matches_onnxruntime_at_two_lengths(cls, position, debug_con
     # Both input dims are symbolic in the file, not the traced 3 x 7.
     for i in graph.input:
         assert all(d.dim_param and not d.dim_value for d in i.type.tensor_type.shape.dim), i
-    rows = export_onnx.check_onnx(model, path, lengths=[5, 23], batch=4)
+    rows = export_onnx.check_export(model, path, lengths=[5, 23], batch=4)
     assert {r["sequence"] for r in rows} == {5, 23} and {r["output"] for r in rows} == set(names)
     for r in rows:
         assert r["max_abs_diff"] <= 1e-4 and r["real_token_diff"] <= 1e-4, r
@@ -129,6 +130,35 @@ def test_export_onnx_command(debug_config, tmp_path, capsys, minilm_dir):
     assert "nothing written" in capsys.readouterr().err
     assert out.read_bytes() == before
     assert sorted(p.name for p in out.parent.iterdir()) == ["cls.onnx", "cls.onnx.data"]
+
+
+def test_export_openvino_command_serves_the_model_in_openvino(debug_config, tmp_path, capsys, monkeypatch):
+    """--format openvino: OpenVINO's IR of the plain model (float32 weights, free batch and sequence), checked in
+    OpenVINO's CPU runtime at two lengths within the fp32 bound, and what it writes serves a batch of another shape
+    as the README says (Core().compile_model(path, "CPU")), within 1e-5 of torch at the real tokens."""
+    monkeypatch.setenv("CI", "true")  # openvino's usage telemetry is off in CI (tests/test_ecosystem.py)
+    openvino = pytest.importorskip("openvino")
+    model = make(BertImplForMaskedLM, debug_config, "sinusoidal")
+    model.save_pretrained(tmp_path / "ckpt")
+    args = ["--model", str(tmp_path / "ckpt"), "--format", "openvino", "--check_lengths", "4", "17"]
+    assert export_onnx.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "openvino matches torch" in printed and "max |openvino - torch|" in printed, printed
+    written = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("openvino_model"))
+    assert written == ["openvino_model.bin", "openvino_model.xml"]
+    compiled = openvino.Core().compile_model(str(tmp_path / "ckpt" / "openvino_model.xml"), "CPU",
+                                             {"INFERENCE_PRECISION_HINT": "f32"})
+    inputs = export_onnx.sample_inputs(model, 5, 11, seed=7)
+    logits = torch.from_numpy(compiled({k: v.numpy() for k, v in inputs.items()})[compiled.outputs[0]])
+    with torch.no_grad():
+        want = model(**inputs).logits
+    real = inputs["attention_mask"].bool()
+    assert logits.shape == want.shape and (logits[real] - want[real]).abs().max().item() <= 1e-5
+    # A check that fails writes nothing.
+    out = tmp_path / "ov" / "m.xml"
+    assert export_onnx.main([*args, "--out", str(out), "--atol", "1e-15"]) == 1
+    assert "openvino differs from torch" in capsys.readouterr().err
+    assert not any(out.parent.iterdir())  # the staging folder removed, no file at --out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def coupled_case(draw):
             rf"hidden_size \({hidden}\) must be divisible by num_attention_heads \({heads}\)")
     vocab = draw(st.integers(1, 200))
     pad = draw(st.integers(vocab, 10**9))
-    message = rf"pad_token_id must be in \[0, vocab_size={vocab}\), got {pad}$"
+    message = rf"pad_token_id must be None or in \[0, config.vocab_size={vocab}\), got {pad}$"
     return {"vocab_size": vocab, "pad_token_id": pad}, message
 
 

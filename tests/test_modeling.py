@@ -64,7 +64,7 @@ def test_coupled_checks_run_when_the_model_is_built(cls):
     with pytest.raises(ValueError, match=r"hidden_size \(30\) must be divisible by num_attention_heads \(4\)"):
         cls(indivisible)
     outside = BertImplConfig(hidden_size=32, num_attention_heads=4, pad_token_id=500, **small)
-    with pytest.raises(ValueError, match=r"pad_token_id must be in \[0, vocab_size=99\), got 500"):
+    with pytest.raises(ValueError, match=r"pad_token_id must be None or in \[0, config.vocab_size=99\), got 500"):
         cls(outside)
     assert BertImplConfig(hidden_size=32).num_attention_heads == 12  # constructs; the model would refuse it
     fits = BertImplConfig(hidden_size=36, num_attention_heads=12, pad_token_id=98, **small)

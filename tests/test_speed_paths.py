@@ -1827,6 +1827,33 @@ def test_compile_dynamic_does_not_recompile_per_length(debug_config, fresh_dynam
     assert fresh_dynamo["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("captures", [True, False], ids=["captures_sizes", "default"])
+def test_compile_keeps_the_unpadded_layout_where_dynamo_captures_data_dependent_sizes(debug_config, fresh_dynamo,
+                                                                                      captures):
+    """torch.compile (not fullgraph) of a kernelized model: with dynamo's capture_dynamic_output_shape_ops the layers
+    run on the real tokens (the graph holds the nonzero that finds them; their count a size known only at run time),
+    otherwise the plain model's padded graph; either way one graph, no break, no recompile when the padding changes,
+    and the outputs of eager at every real token."""
+    torch.manual_seed(0)
+    model = _model(BertImplModel, debug_config(), "auto").eval()
+    graphs = []
+
+    def backend(gm, example_inputs):  # dynamo's graphs, run as traced
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend)
+    ids = torch.randint(1, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=captures):
+        for i, lengths in enumerate([(10, 4, 7), (2, 10, 9), (10, 10, 10)]):
+            mask = (torch.arange(10)[None] < torch.tensor(lengths)[:, None]).long()
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = compiled(ids, attention_mask=mask).last_hidden_state
+            assert _max_diff_real(got, model(ids, attention_mask=mask).last_hidden_state, mask) <= ATOL, lengths
+    assert len(graphs) == 1 and not fresh_dynamo["graph_break"]
+    assert any("nonzero" in str(node.target) for node in graphs[0].graph.nodes) == captures
+
+
 # ---------------------------------------------------------------------------------------------
 # scripts/benchmark.py
 
