@@ -217,7 +217,7 @@ def check_args(args: BenchmarkArguments) -> None:
     if args.autocast_scope == "run" and args.dtype != "autocast":
         fail(f"--autocast_scope run needs --dtype autocast, got --dtype {args.dtype}")
     anchors = args.against.split(",")
-    if args.against != "transformers" and (not anchors or any(a not in ANCHORS for a in anchors)):
+    if args.against != "transformers" and any(a not in ANCHORS for a in anchors):  # "" (an empty name) too
         fail(f"--against must be transformers or a comma-separated subset of {','.join(ANCHORS)}, "
              f"got {args.against!r}")
     if args.against != "transformers":
