@@ -13,6 +13,10 @@ hold disjoint sentences):
   statement ('The "with" statement', 'Assignment statements', ...), 0 for every other section.
 - "word_order": 1 = the sentence as written, 0 = the same words in a random order (seeded).
 
+The benchmarks' other corpora: the standard library's docstrings (`stdlib_docstrings`) and the
+fortune cookie files of the fortunes package (`fortunes`; English that is not technical prose), whose
+file names label a third task, "fortune_topic" (`fortune_topic_task`: which of four topic files).
+
 `UsageError`, the error these helpers raise for a bad file, column or option, lives in
 `hf_bert_impl.cli` with the rest of the scripts' command-line plumbing.
 """
@@ -580,10 +584,63 @@ def stdlib_docstrings() -> list[str]:
     return texts
 
 
+# The benchmarks' English corpus that is not technical prose: the fortune cookie files of the `fortunes` package
+# (Debian, Ubuntu: `apt-get install fortunes`; others ship them with fortune-mod), quotations, jokes, definitions
+# and verse in 40-odd topic files, about 2.6 MB.
+FORTUNES_DIR = "/usr/share/games/fortunes"
+FORTUNE_TOPICS = ("computers", "politics", "science", "songs-poems")  # fortune_topic_task's four classes
+_NOT_PROSE = ("ascii-art",)
+
+
+def fortunes(directory: str | os.PathLike = FORTUNES_DIR) -> dict[str, list[str]]:
+    """{topic: [fortune, ...]}: every fortune of every topic file in a fortune data folder (files of fortunes
+    separated by lines holding one "%"; strfile's .dat indexes and the .u8 links skipped), whitespace collapsed,
+    each distinct fortune of three or more words once, topics in name order."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise UsageError(
+            f"no fortune files at {str(folder)!r}: install them (Debian, Ubuntu: apt-get install fortunes) "
+            "or pass the folder that holds them"
+        )
+    topics, seen = {}, set()
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".dat", ".u8") or path.is_symlink() or not path.is_file() or path.name in _NOT_PROSE:
+            continue
+        texts = []
+        for chunk in re.split(r"^%$", path.read_text(encoding="utf-8", errors="replace"), flags=re.MULTILINE):
+            text = " ".join(chunk.split())
+            if len(text.split()) >= 3 and text not in seen:
+                seen.add(text)
+                texts.append(text)
+        if texts:
+            topics[path.name] = texts
+    if not topics:
+        raise UsageError(f"{str(folder)!r} holds no fortune files (texts separated by '%' lines)")
+    return topics
+
+
+def fortune_topic_task(seed: int = 0, directory: str | os.PathLike = FORTUNES_DIR,
+                       topics=FORTUNE_TOPICS) -> datasets.DatasetDict:
+    """Which topic file a fortune comes from, among `topics` (columns "sentence" and "label"; chance 1 / len(topics)):
+    the label is the file's name, never set by hand. Each topic keeps as many fortunes as the smallest of them has
+    (drawn with `seed`), so the classes are balanced; splits 80 / 10 / 10, shuffled with `seed`."""
+    found = fortunes(directory)
+    missing = [t for t in topics if t not in found]
+    if missing:
+        raise UsageError(f"fortune topics {missing} not in {str(directory)!r} (it has {sorted(found)})")
+    rng = random.Random(seed)
+    n = min(len(found[t]) for t in topics)
+    rows = [{"sentence": text, "label": i} for i, t in enumerate(topics) for text in rng.sample(found[t], n)]
+    features = datasets.Features(
+        {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=list(topics))}
+    )
+    return _split_80_10_10(rows, features, rng)
+
+
 def benchmark_corpus(name: str) -> tuple[datasets.Dataset, datasets.Dataset, str]:
-    """The benchmarks' corpora: "embedded" (`default_corpus_dataset`), "stdlib_docstrings" (`stdlib_docstrings`) or
-    a text file (one text per line) -> (train, held-out) datasets with a "text" column and a description.
-    Held-out: every tenth text (embedded: whole topics)."""
+    """The benchmarks' corpora: "embedded" (`default_corpus_dataset`), "stdlib_docstrings" (`stdlib_docstrings`),
+    "fortunes" (`fortunes`, every topic) or a text file (one text per line) -> (train, held-out) datasets with a
+    "text" column and a description. Held-out: every tenth text (embedded: whole topics)."""
     if name == "embedded":
         raw = default_corpus_dataset()
         return raw["train"], raw["validation"], DEFAULT_CORPUS_NAME
@@ -591,6 +648,13 @@ def benchmark_corpus(name: str) -> tuple[datasets.Dataset, datasets.Dataset, str
         texts, description = (
             stdlib_docstrings(),
             f"docstrings of the Python {sys.version_info.major}.{sys.version_info.minor} standard library",
+        )
+    elif name == "fortunes":
+        topics = fortunes()
+        texts = [t for group in topics.values() for t in group]
+        description = (
+            f"the fortune cookie files of the fortunes package ({len(topics)} topic files: English quotations, "
+            f"jokes, definitions and verse; {sum(len(t) for t in texts) / 1e6:.1f} MB)"
         )
     else:
         texts = [t for t in load_data_files(train_file=name)["train"]["text"] if isinstance(t, str) and t.strip()]

@@ -136,6 +136,13 @@ class DataArguments:
     mlm_probability: float = field(
         default=0.15, metadata={"help": "Fraction of tokens masked (80%% [MASK], 10%% random, 10%% kept)."}
     )
+    eval_mlm_probability: float | None = field(
+        default=None,
+        metadata={
+            "help": "Fraction of held-out tokens masked for evaluation (default: --mlm_probability). Set 0.15 to "
+            "compare runs trained at other masking rates on the same task, as Wettig et al. (2023) do."
+        },
+    )
     whole_word_mask: bool = field(default=False, metadata={"help": "Mask whole words instead of single WordPieces."})
     static_masking: bool = field(
         default=False,
@@ -406,6 +413,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise cli.UsageError("--whole_word_mask is supported for MLM blocks only, not with --nsp")
     if not 0.0 < data_args.mlm_probability < 1.0:
         raise cli.UsageError(f"--mlm_probability must lie in (0, 1), got {data_args.mlm_probability}")
+    if data_args.eval_mlm_probability is None:
+        data_args.eval_mlm_probability = data_args.mlm_probability
+    if not 0.0 < data_args.eval_mlm_probability < 1.0:
+        raise cli.UsageError(f"--eval_mlm_probability must lie in (0, 1), got {data_args.eval_mlm_probability}")
 
     cli.check_kernels_argument(model_args.kernels)
     measured_before = kernels_bert_impl.measurement_seconds()  # measuring done earlier in this process is not ours
@@ -505,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Evaluation masks are drawn once (seeded) so every evaluation of a run scores the same positions.
     if evaluation is not None:
         evaluation = D.mask_once(
-            evaluation, tokenizer, training_args.seed + 1, data_args.mlm_probability, data_args.whole_word_mask
+            evaluation, tokenizer, training_args.seed + 1, data_args.eval_mlm_probability, data_args.whole_word_mask
         )
     if data_args.static_masking:
         train = D.mask_once(train, tokenizer, training_args.seed, data_args.mlm_probability, data_args.whole_word_mask)
@@ -583,6 +594,8 @@ def main(argv: list[str] | None = None) -> dict:
             "num_train_epochs": round(trainer.state.epoch or 0.0, 3),
             "max_seq_length": data_args.max_seq_length,
             "mlm_probability": data_args.mlm_probability,
+            "eval_mlm_probability": data_args.eval_mlm_probability,
+            "lr_scheduler_type": getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type),
             "whole_word_mask": data_args.whole_word_mask,
             "next_sentence_prediction": data_args.nsp,
             "streaming": data_args.streaming,

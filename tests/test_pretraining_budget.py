@@ -15,6 +15,7 @@ from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallba
 from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
 from hf_bert_impl import data as D
 from hf_bert_impl.budget import STATE_FILE, TimeBudget
+from hf_bert_impl.cli import UsageError
 
 from .conftest import ListDataset
 from .test_scripts import load_script, recomputed_accuracies, script_args
@@ -355,6 +356,10 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
             str(steps),
             "--finetune_epochs",
             "0.05",
+            "--finetune_tasks",
+            "statement_topic",
+            "--opponent",
+            "mlm_probability=0.3,dropout=0",
             "--out",
             str(tmp_path / "race"),
         ]
@@ -394,10 +399,29 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
         assert row["ours_seconds_to_transformers_final_loss"] == pytest.approx(reach, rel=1e-9)
         assert row["share_of_budget"] == pytest.approx(reach / budget, rel=1e-9)
         assert report["summary"]["worst_share_of_budget"] == pytest.approx(reach / budget, rel=1e-9)
+    # the time-to-accuracy at every evaluation point of transformers' curve
+    assert len(row["time_to_accuracy"]) == len(theirs["curve"])
+    for point, theirs_point in zip(row["time_to_accuracy"], theirs["curve"]):
+        seconds = _seconds_to_reach(ours["curve"], theirs_point["eval_loss"])
+        assert (point["transformers_seconds"], point["transformers_loss"]) == (
+            theirs_point["seconds"],
+            theirs_point["eval_loss"],
+        )
+        if seconds is None:
+            assert point["ours_seconds"] is None and point["speedup"] is None
+        else:
+            assert point["ours_seconds"] == pytest.approx(seconds, rel=1e-9)
+            assert point["speedup"] == pytest.approx(theirs_point["seconds"] / seconds, rel=1e-9)
+
+    # the opponent trained with the recipe asked for, read off its collator, config and TrainingArguments
+    assert report["opponent"] == {"mlm_probability": 0.3, "dropout": 0.0, "learning_rate": 1e-3}
+    assert theirs["trained_with"] == {"mlm_probability": 0.3, "dropout": [0.0, 0.0], "learning_rate": 1e-3}
 
     gold = D.statement_topic_task(seed=0)["test"]["label"]
+    assert set(report["summary"]["mean_finetune"]) == {"statement_topic"}
     for run in (ours, theirs):
-        scores = run["finetune"]
+        assert set(run["finetune"]) == {"statement_topic"}
+        scores = run["finetune"]["statement_topic"]
         assert len(scores["predicted"]) == scores["test_sentences"] == len(gold)
         assert set(scores["predicted"]) <= {0, 1}
         hits = sum(p == g for p, g in zip(scores["predicted"], gold))
@@ -422,3 +446,133 @@ def test_time_to_reach_interpolates_between_evaluations():
     assert race.time_to_reach(curve, 7.0) == pytest.approx(15.0)
     assert race.time_to_reach(curve, 9.0) == pytest.approx(10.0)
     assert race.time_to_reach(curve, 4.0) is None
+
+
+@pytest.mark.slow
+def test_the_sweep_trains_transformers_under_every_recipe_and_its_best_feeds_the_race(tmp_path):
+    """--sweep: transformers' BertForMaskedLM alone under each of the 8 recipes (masking 15 / 30%, dropout 0.1 / 0,
+    learning rate 5e-4 / 1e-3), each read back off what trained; the best is the lowest mean held-out loss at the
+    budget, recomputed here; --opponent reads it from the JSON."""
+    race = load_script("benchmark_pretraining")
+    out = tmp_path / "sweep"
+    args = ["--sweep", "--budget", "1", "--evaluations", "1", "--seeds", "0", "--model_size", "debug"]
+    assert race.main([*args, "--max_seq_length", "32", "--vocab_size", "400", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    rows = report["sweep"]["recipes"]
+    combos = {(r["recipe"]["mlm_probability"], r["recipe"]["dropout"], r["recipe"]["learning_rate"]) for r in rows}
+    assert combos == {(m, d, lr) for m in (0.15, 0.3) for d in (0.1, 0.0) for lr in (5e-4, 1e-3)}
+    for row in rows:
+        (run,) = row["runs"]
+        recipe = row["recipe"]
+        assert run["trained_with"] == {
+            "mlm_probability": recipe["mlm_probability"],
+            "dropout": [recipe["dropout"]] * 2,
+            "learning_rate": recipe["learning_rate"],
+        }
+        assert row["mean_final_loss"] == run["curve"][-1]["eval_loss"] and math.isfinite(row["mean_final_loss"])
+    best = min(rows, key=lambda row: row["runs"][0]["curve"][-1]["eval_loss"])
+    assert report["sweep"]["best"] == {"recipe": best["recipe"], "mean_final_loss": best["mean_final_loss"]}
+    assert race.opponent_recipe(str(out.with_suffix(".json")), 1e-3) == best["recipe"]
+
+
+def test_opponent_recipes_parse_and_refuse_what_is_not_a_recipe(tmp_path):
+    race = load_script("benchmark_pretraining")
+    assert race.opponent_recipe("run_mlm", 7e-4) == {"mlm_probability": 0.15, "dropout": 0.1, "learning_rate": 7e-4}
+    assert race.opponent_recipe("dropout=0, mlm_probability=0.4", 1e-3) == {
+        "mlm_probability": 0.4,
+        "dropout": 0.0,
+        "learning_rate": 1e-3,
+    }
+    for spec, message in (
+        ("masking=0.3", "'masking=0.3' is not key=value with a key in"),
+        ("dropout", "'dropout' is not key=value"),
+        ("dropout=none", "'none' is not a number"),
+        ("mlm_probability=1.5", "out of range"),
+        (str(tmp_path / "missing.json"), "is not a readable --sweep result"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            race.opponent_recipe(spec, 1e-3)
+    with pytest.raises(SystemExit):  # argparse's error: the message names the option
+        race.parse_args(["--opponent", "lr=1"])
+
+
+def _fortune_folder(folder: Path) -> Path:
+    """food: 10 fortunes (one over two lines), one too short; law: 12, one of them also in food; a strfile index,
+    a .u8 link and ascii-art beside them."""
+    folder.mkdir()
+    food = [f"A bagel number {i} is a doughnut\nwith the sin removed." for i in range(10)]
+    law = [f"The law number {i} is an ass, said he." for i in range(11)] + [food[3]]
+    (folder / "food").write_text("%\n".join(f"{t}\n" for t in [*food, "Too short"]))
+    (folder / "law").write_text("%\n".join(f"{t}\n" for t in law))
+    (folder / "food.dat").write_bytes(b"\x00\x02binary index")
+    (folder / "food.u8").symlink_to("food")
+    (folder / "ascii-art").write_text("  ___  ___ ___ ___\n%\n  |_|  |_| |_| |_|\n")
+    return folder
+
+
+def test_fortunes_read_every_topic_file_once_and_make_a_balanced_topic_task(tmp_path):
+    folder = _fortune_folder(tmp_path / "fortunes")
+    topics = D.fortunes(folder)
+    # .dat, .u8 and ascii-art skipped; fewer than 3 words dropped; lines joined; a repeated fortune kept once
+    assert topics == {
+        "food": [f"A bagel number {i} is a doughnut with the sin removed." for i in range(10)],
+        "law": [f"The law number {i} is an ass, said he." for i in range(11)],
+    }
+    task = D.fortune_topic_task(seed=0, directory=folder, topics=("food", "law"))
+    assert task["train"].features["label"].names == ["food", "law"]
+    assert [len(task[k]) for k in ("train", "validation", "test")] == [16, 2, 2]
+    every = [row for split in task.values() for row in split]
+    assert sorted(r["label"] for r in every) == [0] * 10 + [1] * 10  # balanced: the smaller topic's count
+    assert len({r["sentence"] for r in every}) == 20
+    for row in every:
+        assert row["sentence"] in topics[("food", "law")[row["label"]]]
+    with pytest.raises(UsageError, match="fortune topics \\['sports'\\] not in"):
+        D.fortune_topic_task(directory=folder, topics=("food", "sports"))
+    with pytest.raises(UsageError, match="no fortune files at .*apt-get install fortunes"):
+        D.fortunes(tmp_path / "nowhere")
+
+
+@pytest.mark.slow
+def test_the_ablation_trains_ours_under_each_lever_through_pretrain_mlm_and_evaluates_at_15_percent(tmp_path):
+    """--ablation: ours through pretrain_mlm.py with one option changed per variant; each change is read back off
+    what trained (training_facts.json, config.json), every variant is evaluated at 15% masking, and the mean
+    loss and the lowest variant are recomputed here."""
+    race = load_script("benchmark_pretraining")
+    out = tmp_path / "ablation"
+    variants = ["defaults", "masking 40%", "dense prediction", "cosine schedule", "batch 16", "dropout 0"]
+    args = ["--ablation", "--ablations", *variants, "--budget", "1", "--evaluations", "1", "--seeds", "0"]
+    code = race.main(
+        [*args, "--model_size", "debug", "--max_seq_length", "32", "--vocab_size", "400", "--out", str(out)]
+    )
+    assert code == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    rows = {row["variant"]: row for row in report["ablation"]["rows"]}
+    assert list(rows) == variants
+    trained = {name: row["runs"][0]["trained_with"] for name, row in rows.items()}
+    base = trained["defaults"]
+    assert base == {
+        "mlm_probability": 0.15,
+        "eval_mlm_probability": 0.15,
+        "sparse_prediction": True,
+        "train_batch_size": 32,
+        "learning_rate": 1e-3,
+        "warmup_steps": 0.1,
+        "lr_scheduler_type": "linear",
+        "dropout": [0.1, 0.1],
+    }
+    changed = {
+        "masking 40%": {"mlm_probability": 0.4},
+        "dense prediction": {"sparse_prediction": False},
+        "cosine schedule": {"lr_scheduler_type": "cosine"},
+        "batch 16": {"train_batch_size": 16},
+        "dropout 0": {"dropout": [0.0, 0.0]},
+    }
+    for name, change in changed.items():
+        assert trained[name] == {**base, **change}, name  # that one lever alone, evaluated at 15% as the rest
+    for row in rows.values():
+        (run,) = row["runs"]
+        assert row["mean_final_loss"] == run["curve"][-1]["eval_loss"] and math.isfinite(row["mean_final_loss"])
+        assert row["mean_steps"] == run["steps"] > 0
+    assert report["ablation"]["best"] == min(rows, key=lambda name: rows[name]["mean_final_loss"])
