@@ -586,7 +586,7 @@ def stdlib_docstrings() -> list[str]:
 
 # The benchmarks' English corpus that is not technical prose: the fortune cookie files of the `fortunes` package
 # (Debian, Ubuntu: `apt-get install fortunes`; others ship them with fortune-mod), quotations, jokes, definitions
-# and verse in 40-odd topic files, about 2.6 MB.
+# and verse in 40-odd topic files, about 2.5 MB of text.
 FORTUNES_DIR = "/usr/share/games/fortunes"
 FORTUNE_TOPICS = ("computers", "politics", "science", "songs-poems")  # fortune_topic_task's four classes
 _NOT_PROSE = ("ascii-art",)
