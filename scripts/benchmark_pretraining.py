@@ -283,16 +283,15 @@ FINETUNE_TASKS = {
 }
 
 
-def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: str) -> dict:
-    """Fine-tunes the pretrained model on one of FINETUNE_TASKS (fixed splits) with the same settings for both
-    models; accuracy and Matthews correlation on its test split."""
+def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: str, task) -> dict:
+    """Fine-tunes the pretrained model on `task`, FINETUNE_TASKS[task_name] built once (fixed splits), with the same
+    settings for both models; accuracy and Matthews correlation on its test split."""
     from sklearn.metrics import accuracy_score, matthews_corrcoef
     from transformers import BertForSequenceClassification, DataCollatorWithPadding
 
     from hf_bert_impl import BertImplForSequenceClassification
 
-    make_task, max_length = FINETUNE_TASKS[task_name]
-    task = make_task()
+    max_length = FINETUNE_TASKS[task_name][1]
     labels = task["train"].features["label"].num_classes
     task = task.map(
         lambda batch: tokenizer(batch["sentence"], truncation=True, max_length=max_length),
@@ -694,23 +693,31 @@ def print_run(seed: int, name: str, result: dict) -> None:
     )
 
 
-def sweep(args, tmp: Path, blocks, held_out, tokenizer, head: dict) -> dict:
+def run_variants(args, variants: list[tuple[str, dict]], train) -> tuple[list[dict], dict]:
+    """Each variant (its printed name, the fields of its row) trained on every seed by `train(seed, index)`: rows of
+    those fields, "mean_final_loss" (held-out loss at the budget, mean of the seeds) and "runs"; and the row with the
+    lowest mean loss."""
     rows = []
-    for recipe in sweep_recipes():
+    for index, (name, fields) in enumerate(variants):
         runs = []
         for seed in args.seeds:
-            result = run_transformers(args, seed, blocks, held_out, tokenizer, tmp / "sweep", recipe)
+            result = train(seed, index)
             result["seed"] = seed
-            print_run(seed, recipe_label(recipe), result)
+            print_run(seed, name, result)
             runs.append(result)
         rows.append(
-            {
-                "recipe": recipe,
-                "mean_final_loss": float(np.mean([r["curve"][-1]["eval_loss"] for r in runs])),
-                "runs": runs,
-            }
+            {**fields, "mean_final_loss": float(np.mean([r["curve"][-1]["eval_loss"] for r in runs])), "runs": runs}
         )
-    best = min(rows, key=lambda row: row["mean_final_loss"])
+    return rows, min(rows, key=lambda row: row["mean_final_loss"])
+
+
+def sweep(args, tmp: Path, blocks, held_out, tokenizer, head: dict) -> dict:
+    recipes = sweep_recipes()
+    rows, best = run_variants(
+        args,
+        [(recipe_label(recipe), {"recipe": recipe}) for recipe in recipes],
+        lambda seed, i: run_transformers(args, seed, blocks, held_out, tokenizer, tmp / "sweep", recipes[i]),
+    )
     report = {
         "what": "recipe sweep of transformers' BertForMaskedLM (the race's opponent): held-out masked-LM loss "
         "(15% masked) against training seconds under every recipe, the same budget",
@@ -739,26 +746,15 @@ def sweep(args, tmp: Path, blocks, held_out, tokenizer, head: dict) -> dict:
 
 def ablation(args, tmp: Path, files, head: dict) -> dict:
     """Ours alone under the defaults and under each of --ablations, on every seed."""
-    rows = []
-    for name in args.ablations:
-        runs = []
-        for seed in args.seeds:
-            result = run_ours(
-                args, seed, files, tmp / "tokenizer", tmp / f"ablation-{len(rows)}-{seed}", ABLATIONS[name]
-            )
-            result["seed"] = seed
-            print_run(seed, name, result)
-            runs.append(result)
-        rows.append(
-            {
-                "variant": name,
-                "options": ABLATIONS[name],
-                "mean_final_loss": float(np.mean([r["curve"][-1]["eval_loss"] for r in runs])),
-                "mean_steps": float(np.mean([r["steps"] for r in runs])),
-                "runs": runs,
-            }
-        )
-    best = min(rows, key=lambda row: row["mean_final_loss"])
+    rows, best = run_variants(
+        args,
+        [(name, {"variant": name, "options": ABLATIONS[name]}) for name in args.ablations],
+        lambda seed, i: run_ours(
+            args, seed, files, tmp / "tokenizer", tmp / f"ablation-{i}-{seed}", ABLATIONS[args.ablations[i]]
+        ),
+    )
+    for row in rows:
+        row["mean_steps"] = float(np.mean([r["steps"] for r in row["runs"]]))
     report = {
         "what": "ablation of ours' training recipe: held-out masked-LM loss (15% masked) against training seconds "
         "under the defaults and under each change alone, the same budget",
@@ -793,6 +789,9 @@ def main(argv=None) -> int:
             f"corpus: {description}; {len(blocks)} training / {len(held_out)} held-out blocks of {args.max_seq_length}"
         )
         head = report_head(args, description, blocks, held_out)
+        # built before any training: a task that cannot be built (no fortune files) stops the race here
+        finetuning = not (args.sweep or args.ablation) and args.finetune_epochs
+        tasks = {t: FINETUNE_TASKS[t][0]() for t in args.finetune_tasks} if finetuning else {}
         if args.sweep:
             sweep(args, tmp, blocks, held_out, tokenizer, head)
             return 0
@@ -823,9 +822,9 @@ def main(argv=None) -> int:
                     else run_transformers(args, seed, blocks, held_out, tokenizer, out, args.recipe)
                 )
                 result["seed"] = seed
-                if args.finetune_tasks and args.finetune_epochs:
+                if tasks:
                     result["finetune"] = {
-                        task: finetune(args, seed, out, name, tokenizer, task) for task in args.finetune_tasks
+                        task: finetune(args, seed, out, name, tokenizer, task, data) for task, data in tasks.items()
                     }
                 runs[name].append(result)
                 print_run(seed, name, result)
