@@ -31,7 +31,7 @@ from .modeling_bert_impl import (  # the heads by name, for editors; HEADS below
 )
 
 
-__version__ = "0.6.3"
+__version__ = "0.7.0"
 
 # Auto class -> our head, read off the head table; both registrations below use it.
 HEADS = {getattr(transformers, head.auto_class): getattr(modeling_bert_impl, head.name) for head in HEAD_TABLE}

@@ -46,17 +46,17 @@ def parse_script_arguments(dataclass_types, argv, logger):
 
 def run_cli(main) -> int:
     """Run a script's `main()`; a UsageError (bad file, bad option) becomes one line on stderr and exit
-    status 2, as argparse does, instead of a traceback."""
+    status 2, as argparse does, instead of a traceback; an integer `main()` returns is the exit status."""
     finished = False
     try:
-        main()
+        status = main()
         finished = True
     except UsageError as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         return 2
     finally:
         _close_process_group(wait=finished)  # a failed rank must not wait for the others forever
-    return 0
+    return status if isinstance(status, int) else 0
 
 
 def _close_process_group(wait: bool) -> None:
@@ -272,14 +272,18 @@ def machine_record(device=None) -> dict:
 
     from . import __version__
 
-    cpu = platform.processor() or platform.machine()
+    cpu, cpuinfo = platform.processor() or platform.machine(), {}
     try:
-        with open("/proc/cpuinfo") as f:  # lscpu's "Model name"
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+        with open("/proc/cpuinfo") as f:  # lscpu's "Model name", "CPU family" and "Model" of the first CPU
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                cpuinfo[key.strip()] = value.strip()
+    except OSError:
         pass
     info = {
-        "cpu": cpu,
+        "cpu": cpuinfo.get("model name", cpu),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -287,6 +291,8 @@ def machine_record(device=None) -> dict:
         "python": platform.python_version(),
         "hf_bert_impl": __version__,
     }
+    if "cpu family" in cpuinfo:  # tells apart CPUs of one model name (AMD EPYC Zen 3: 25/1, Zen 4: 25/17)
+        info["cpu_family_model"] = f"{cpuinfo['cpu family']}/{cpuinfo.get('model', '?')}"
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     try:

@@ -146,7 +146,8 @@ class BenchmarkArguments:
         metadata={"help": "transformers (in torch), or the CPU runtimes to time beside it in one run, "
                           "comma-separated: onnxruntime (transformers' BERT and ours exported to ONNX), openvino "
                           "(transformers' BERT converted; f32 hint and OpenVINO's default precision), compile "
-                          "(torch.compile of transformers' and ours); fixed, mixed"},
+                          "(torch.compile of transformers' and ours); fixed, mixed; --dtype fp32 or bf16 (then "
+                          "transformers, ours and their compiled forms run bf16 weights; onnxruntime float32 only)"},
     )
     pairs: int = field(default=0,
                        metadata={"help": "timed (transformers, ours) pairs per workload; 0 = 20 for tiny, 7 for base"})
@@ -221,9 +222,12 @@ def check_args(args: BenchmarkArguments) -> None:
         fail(f"--against must be transformers or a comma-separated subset of {','.join(ANCHORS)}, "
              f"got {args.against!r}")
     if args.against != "transformers":
-        if args.dtype != "fp32" or args.device == "cuda":
-            fail(f"--against {args.against} runs on the CPU from float32 weights, got --dtype {args.dtype} "
+        if args.dtype == "autocast" or args.device == "cuda":
+            fail(f"--against {args.against} runs on the CPU with fp32 or bf16 weights, got --dtype {args.dtype} "
                  f"--device {args.device}")
+        if args.dtype == "bf16" and "onnxruntime" in anchors:
+            fail("--against onnxruntime runs float32 only (its CPU provider has no bfloat16 kernels for BERT's "
+                 "ops), got --dtype bf16: leave onnxruntime out")
         if any(w not in ("fixed", "mixed") for w in args.workloads.split(",")):
             args.workloads = ",".join(w for w in args.workloads.split(",") if w in ("fixed", "mixed")) or "fixed,mixed"
     try:
@@ -771,15 +775,16 @@ def openvino_runners(hf, threads: int, example: dict) -> dict:
     return runners
 
 
-def compiled_runners(hf, ours) -> dict:
-    """torch.compile (inductor, its defaults) of transformers' BertModel and of ours as this run puts it on, both
-    called with dynamo capturing data-dependent sizes (`capture_dynamic_output_shape_ops`): ours' unpadded layout is
-    traced (its linear and dropout kernels give way to inductor's code); transformers' graph has no such size."""
+def compiled_runners(hf, ours, precision: str = "f32") -> dict:
+    """torch.compile (inductor, its defaults) of transformers' BertModel and of ours as this run puts it on (weights
+    in `precision`), both called with dynamo capturing data-dependent sizes (`capture_dynamic_output_shape_ops`):
+    ours' unpadded layout is traced (its linear and dropout kernels give way to inductor's code); transformers' graph
+    has no such size."""
     def run(fn, batch):
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
             return fn(**batch).last_hidden_state
 
-    return {name: (functools.partial(run, torch.compile(module)), "f32")
+    return {name: (functools.partial(run, torch.compile(module)), precision)
             for name, module in (("transformers_compile", hf.bert), ("ours_compile", ours.bert))}
 
 
@@ -791,42 +796,48 @@ def anchor_versions(anchors) -> dict:
 def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
     """ours (torch) vs the runtimes a user would serve transformers' BERT with, same weights, in one interleaved run:
     transformers in torch (eager, sdpa; the baseline), and per `--against` onnxruntime (transformers' and our ONNX
-    export), openvino (f32 hint and its defaults), compile (torch.compile of transformers' and of ours). Outputs
-    first: each runner against float32 transformers on the real tokens, within 1e-4 for a float32 runner and within
-    3x transformers' own bf16 autocast error for one in a lower precision, or the run stops; then fixed and mixed
-    timed."""
+    export), openvino (f32 hint and its defaults), compile (torch.compile of transformers' and of ours). With
+    `--dtype bf16` transformers, ours and their compiled forms run bf16 weights (the same weights, rounded) and
+    OpenVINO converts the float32 model, as a user would (its default precision is bf16 on CPUs with bf16 units).
+    Outputs first: each runner against float32 transformers on the real tokens, within 1e-4 for a float32 runner and,
+    for one in bf16, within 3x transformers' own bf16 error (bf16 weights with --dtype bf16, else bf16 autocast), or
+    the run stops; then fixed and mixed timed."""
     import tempfile
 
     anchors = args.against.split(",")
-    hf, ours = build_models(args, "sdpa", device, torch.float32)
-    hf.eval()
-    ours.eval()
+    hf, ours = build_models(args, "sdpa", device, torch.float32)  # float32: the reference, what the runtimes convert
+    weights = "bf16" if args.dtype == "bf16" else "f32"
+    hf_run, ours_run = build_models(args, "sdpa", device, torch.bfloat16) if weights == "bf16" else (hf, ours)
+    for model in (hf, ours, hf_run, ours_run):
+        model.eval()
     batches, lengths, source = make_batches(args, tokenizer, device)
     for b in batches.values():
         b.setdefault("token_type_ids", torch.zeros_like(b["input_ids"]))
     threads = torch.get_num_threads()
     inputs = ("input_ids", "attention_mask", "token_type_ids")
-    runners = {"transformers": (lambda batch: hf.bert(**batch).last_hidden_state, "f32"),
-               "ours": (lambda batch: ours.bert(**batch).last_hidden_state, "f32")}
+    runners = {"transformers": (lambda batch: hf_run.bert(**batch).last_hidden_state, weights),
+               "ours": (lambda batch: ours_run.bert(**batch).last_hidden_state, weights)}
     with tempfile.TemporaryDirectory() as workdir:
         if "onnxruntime" in anchors:
             runners.update({k: (_Session(v), "f32") for k, v in onnx_sessions(hf, ours, threads, workdir).items()})
         if "openvino" in anchors:
             runners.update(openvino_runners(hf, threads, {k: batches["fixed"][k] for k in inputs}))
         if "compile" in anchors:
-            runners.update(compiled_runners(hf, ours))
+            runners.update(compiled_runners(hf_run, ours_run, weights))
         errors, bf16_error = {}, None  # errors: {workload: {runner: max |diff| on real tokens}}
         for name in ("fixed", "mixed"):
             x = {k: batches[name][k] for k in inputs}
             real = x["attention_mask"].bool()
             with torch.no_grad():
                 ref = hf.bert(**x).last_hidden_state
-                if any(precision != "f32" for _, precision in runners.values()):
+                errors[name] = {tag: (run(x).float() - ref)[real].abs().max().item()
+                                for tag, (run, _) in runners.items()}
+                if weights == "bf16":  # transformers' own bf16 error: its bf16 weights' (a runner of this run)
+                    bf16_error = max(bf16_error or 0.0, errors[name]["transformers"])
+                elif any(precision != "f32" for _, precision in runners.values()):  # else its bf16 autocast's
                     with torch.autocast("cpu", dtype=torch.bfloat16):
                         own = hf.bert(**x).last_hidden_state.float()
                     bf16_error = max(bf16_error or 0.0, (own - ref)[real].abs().max().item())
-                errors[name] = {tag: (run(x).float() - ref)[real].abs().max().item()
-                                for tag, (run, _) in runners.items()}
         tolerance = {tag: 1e-4 if precision == "f32" else 3 * bf16_error for tag, (_, precision) in runners.items()}
         print("[anchors] outputs against float32 transformers (max |diff| on real tokens): "
               + ", ".join(f"{w}_{tag}={v:.2e}" for w, row in errors.items() for tag, v in row.items()))
@@ -847,7 +858,7 @@ def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
                 times = interleaved(fns, pairs, args.warmup, device)
             flops = model_flops(ours.config, workload, mask.sum(1).tolist(), 0)
             row = timing_row(times, "transformers", pairs, mask, flops, peaks.best)
-            row["ours_kernels"] = kernel_record(args, start_s, workload_start, ours)
+            row["ours_kernels"] = kernel_record(args, start_s, workload_start, ours_run)
             for tag in times:
                 row[tag]["precision"] = runners[tag][1]
                 row[tag]["max_abs_diff_vs_transformers_fp32"] = errors[workload][tag]
@@ -861,8 +872,9 @@ def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
                       f"{r['tokens_per_s_real']:10.0f} real tok/s{versus}")
             print(f"  {workload:6s} ours' kernels: {describe_kernels(row['ours_kernels'])}")
             peaks.sample()
-    return {"anchors": anchors, "versions": anchor_versions(anchors), "errors": errors,
-            "tolerances": tolerance, "bf16_autocast_error_transformers": bf16_error,
+    own_error = "bf16_error_transformers" if weights == "bf16" else "bf16_autocast_error_transformers"
+    return {"anchors": anchors, "versions": anchor_versions(anchors), "weights": weights, "errors": errors,
+            "tolerances": tolerance, own_error: bf16_error,
             "workloads": results, "mixed_lengths": lengths, "text": source}
 
 

@@ -2,9 +2,10 @@
 
 For each seed, pretrains for the same training-time budget (`--budget` seconds; evaluation not counted):
   ours          hf-bert-impl with its defaults, through scripts/pretrain_mlm.py itself (`main(argv)`:
-                sinusoidal positions, its seeded per-batch masking collator at 15%, and the speed layer it applies,
-                `hf_bert_impl.kernelize(model, --kernels, sparse_prediction=True)`: sparse prediction and the
-                kernels it measures on this machine (`--kernels auto`, the default); `--time_budget`)
+                sinusoidal positions, its seeded per-batch masking collator at 30%, dropout off while pretraining
+                (pretrain_mlm.py's defaults; the saved config keeps BERT's 0.1 for fine-tuning), and the speed layer
+                it applies, `hf_bert_impl.kernelize(model, --kernels, sparse_prediction=True)`: sparse prediction
+                and the kernels it measures on this machine (`--kernels auto`, the default); `--time_budget`)
   transformers  transformers' `BertForMaskedLM` with learned positions, `DataCollatorForLanguageModeling` and
                 `Trainer`, under the recipe `--opponent` names: run_mlm.py's own (masking 15%, dropout 0.1, the race's
                 learning rate; the default), any masking rate / dropout / learning rate, or the best of a `--sweep`
@@ -122,17 +123,19 @@ def curve_of(log_history: list[dict]) -> list[dict]:
 
 
 # Our recipe's levers: training choices, not architecture, each one option of pretrain_mlm.py. --ablation trains ours
-# under the defaults and under each change alone (evaluated at 15% masking for all).
+# under the defaults (masking 30%, dropout off while pretraining), under each change alone and under BERT's masking and
+# dropout together (evaluated at 15% masking for all).
 ABLATIONS = {
     "defaults": [],
-    "masking 30%": ["--mlm_probability", "0.3"],
+    "masking 15%": ["--mlm_probability", "0.15"],
     "masking 40%": ["--mlm_probability", "0.4"],
+    "dropout 0.1": ["--pretraining_dropout", "0.1"],
+    "masking 15% + dropout 0.1": ["--mlm_probability", "0.15", "--pretraining_dropout", "0.1"],
     "dense prediction": ["--sparse_prediction", "false"],
     "cosine schedule": ["--lr_scheduler_type", "cosine"],
     "warm-up 2%": ["--warmup_steps", "0.02"],
     "batch 16": ["--per_device_train_batch_size", "16"],
     "batch 64": ["--per_device_train_batch_size", "64"],
-    "dropout 0": ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"],
 }
 
 
@@ -165,7 +168,6 @@ def run_ours(args, seed: int, files, tokenizer_dir: Path, out: Path, options=())
     pretrain_mlm.main([*argv, "--eval_mlm_probability", "0.15", *options])
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     facts = json.loads((out / "training_facts.json").read_text())  # what pretrain_mlm.py applied
-    config = json.loads((out / "config.json").read_text())
     hyper = facts["hyperparameters"]
     return {
         "curve": curve_of(history),
@@ -179,7 +181,7 @@ def run_ours(args, seed: int, files, tokenizer_dir: Path, out: Path, options=())
             "learning_rate": hyper["learning_rate"],
             "warmup_steps": hyper["warmup_steps"],
             "lr_scheduler_type": hyper["lr_scheduler_type"],
-            "dropout": [config["hidden_dropout_prob"], config["attention_probs_dropout_prob"]],
+            "dropout": hyper["pretraining_dropout"],  # [hidden, attention] as it trained (not the saved config's)
         },
     }
 
@@ -631,6 +633,20 @@ def parse_args(argv=None):
         help=f"the variants --ablation trains: {', '.join(map(repr, ABLATIONS))} (default: all)".replace("%", "%%"),
     )
     parser.add_argument(
+        "--resume",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="with --sweep or --ablation: earlier reports of the same settings (their OUT.json, also an "
+        "interrupted one's) whose runs are taken instead of trained again, variant by variant and seed by seed",
+    )
+    parser.add_argument(
+        "--resume_only",
+        action="store_true",
+        help="with --resume: train nothing; the report holds the variants and seeds the reports have (one report "
+        "from several, with each variant's mean over the seeds it has)",
+    )
+    parser.add_argument(
         "--finetune_tasks",
         nargs="*",
         default=list(FINETUNE_TASKS),
@@ -661,6 +677,10 @@ def parse_args(argv=None):
         parser.error("--sweep tries every recipe: leave --opponent out")
     if args.sweep and args.ablation:
         parser.error("--sweep (transformers' recipes) and --ablation (ours') are separate runs: choose one")
+    if args.resume and not (args.sweep or args.ablation):
+        parser.error("--resume takes the runs of a --sweep or --ablation report: give one of them")
+    if args.resume_only and not args.resume:
+        parser.error("--resume_only builds the report from --resume's reports: give them")
     return args
 
 
@@ -693,42 +713,124 @@ def print_run(seed: int, name: str, result: dict) -> None:
     )
 
 
-def run_variants(args, variants: list[tuple[str, dict]], train) -> tuple[list[dict], dict]:
-    """Each variant (its printed name, the fields of its row) trained on every seed by `train(seed, index)`: rows of
-    those fields, "mean_final_loss" (held-out loss at the budget, mean of the seeds) and "runs"; and the row with the
-    lowest mean loss."""
-    rows = []
-    for index, (name, fields) in enumerate(variants):
-        runs = []
+# what runs taken from --resume's reports must share with this one (besides the kind, version, corpus and CPU)
+RESUME_SETTINGS = (
+    "corpus_name",
+    "budget",
+    "evaluations",
+    "model_size",
+    "max_seq_length",
+    "batch_size",
+    "learning_rate",
+    "warmup_ratio",
+    "vocab_size",
+    "kernels",
+)
+
+
+def resumed_reports(args, head: dict) -> list[tuple[str, dict]]:
+    """--resume's reports, read and checked against this run: the same kind (sweep or ablation), version, corpus
+    (its name and size), CPU (name, family and model) and RESUME_SETTINGS, so that a run taken from one is a run
+    this one would have made."""
+    kind = "sweep" if args.sweep else "ablation"
+    reports = []
+    for path in args.resume:
+        try:
+            report = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise cli.UsageError(f"--resume {path}: not a readable report ({e})") from e
+        if not isinstance(report, dict) or kind not in report:
+            raise cli.UsageError(f"--resume {path}: not a --{kind} report (no {kind!r} section)")
+        theirs = {
+            "version": report.get("version"),
+            **{k: report.get("machine", {}).get(k) for k in ("cpu", "cpu_family_model")},
+            "corpus": report.get("corpus"),
+            **{k: report.get("settings", {}).get(k) for k in RESUME_SETTINGS},
+        }
+        ours = {
+            "version": __version__,
+            **{k: head["machine"].get(k) for k in ("cpu", "cpu_family_model")},
+            "corpus": head["corpus"],
+            **{k: head["settings"][k] for k in RESUME_SETTINGS},
+        }
+        for key, value in ours.items():
+            if theirs[key] != value:
+                raise cli.UsageError(f"--resume {path}: its {key} is {theirs[key]!r}, this run's is {value!r}")
+        reports.append((path, report))
+    return reports
+
+
+def run_variants(args, head: dict, variants: list[dict], label, train, report_of) -> tuple[list[dict], dict]:
+    """Each variant (the fields of its row; `label(row)` names it) trained on every seed by `train(seed, index)`:
+    rows of those fields, "mean_final_loss" (held-out loss at the budget, mean of the seeds) and "runs"; and the row
+    with the lowest mean loss. A variant and seed that one of --resume's reports holds (same fields) is taken from
+    there instead of trained; with --resume_only nothing is trained, a pair no report holds is left out, and so is a
+    variant with none. `report_of(rows, best)` is written to OUT.json after every run ("finished": false until every
+    variant has every seed), so an interrupted run keeps what it did and `--resume OUT.json` goes on from there."""
+    earlier = {}
+    for path, report in resumed_reports(args, head):
+        for row in report["sweep"]["recipes"] if args.sweep else report["ablation"]["rows"]:
+            for run in row["runs"]:
+                key = (label(row), run["seed"])
+                if key in earlier and earlier[key][2] != run:
+                    raise cli.UsageError(
+                        f"--resume: {key[0]} seed {key[1]} differs between {earlier[key][1]} and {path}"
+                    )
+                earlier.setdefault(key, (row, path, run))
+    rows, best = [], None
+    total, done = len(variants) * len(args.seeds), 0
+    for index, fields in enumerate(variants):
+        row = {**fields, "runs": []}
         for seed in args.seeds:
-            result = train(seed, index)
-            result["seed"] = seed
-            print_run(seed, name, result)
-            runs.append(result)
-        rows.append(
-            {**fields, "mean_final_loss": float(np.mean([r["curve"][-1]["eval_loss"] for r in runs])), "runs": runs}
-        )
-    return rows, min(rows, key=lambda row: row["mean_final_loss"])
+            found = earlier.get((label(row), seed))
+            if found and any(found[0].get(k) != v for k, v in fields.items()):
+                raise cli.UsageError(f"--resume {found[1]}: {label(row)} was trained with other settings there")
+            if found:
+                result = found[2]
+                print(f"seed {seed} {label(row)}: taken from {found[1]}")
+            elif args.resume_only:
+                print(f"seed {seed} {label(row)}: in no --resume report, left out (--resume_only)")
+                continue
+            else:
+                result = train(seed, index)
+                result["seed"] = seed
+            print_run(seed, label(row), result)
+            if not row["runs"]:
+                rows.append(row)
+            row["runs"].append(result)
+            row["mean_final_loss"] = float(np.mean([r["curve"][-1]["eval_loss"] for r in row["runs"]]))
+            done += 1
+            best = min(rows, key=lambda row: row["mean_final_loss"])
+            cli.write_result_json({**report_of(rows, best), "finished": done == total}, f"{args.out}.json")
+    if not rows:
+        raise cli.UsageError("--resume_only: the --resume reports hold none of these variants and seeds")
+    return rows, best
 
 
 def sweep(args, tmp: Path, blocks, held_out, tokenizer, head: dict) -> dict:
     recipes = sweep_recipes()
+
+    def report_of(rows, best):
+        return {
+            "what": "recipe sweep of transformers' BertForMaskedLM (the race's opponent): held-out masked-LM loss "
+            "(15% masked) against training seconds under every recipe, the same budget",
+            **head,
+            "sweep": {
+                "grid": OPPONENT_GRID,
+                "best": {"recipe": best["recipe"], "mean_final_loss": best["mean_final_loss"]},
+                "recipes": rows,
+            },
+        }
+
     rows, best = run_variants(
         args,
-        [(recipe_label(recipe), {"recipe": recipe}) for recipe in recipes],
+        head,
+        [{"recipe": recipe} for recipe in recipes],
+        lambda row: recipe_label(row["recipe"]),
         lambda seed, i: run_transformers(args, seed, blocks, held_out, tokenizer, tmp / "sweep", recipes[i]),
+        report_of,
     )
-    report = {
-        "what": "recipe sweep of transformers' BertForMaskedLM (the race's opponent): held-out masked-LM loss "
-        "(15% masked) against training seconds under every recipe, the same budget",
-        **head,
-        "sweep": {
-            "grid": OPPONENT_GRID,
-            "best": {"recipe": best["recipe"], "mean_final_loss": best["mean_final_loss"]},
-            "recipes": rows,
-        },
-    }
-    cli.write_result_json(report, f"{args.out}.json")
+    report = report_of(rows, best)
     plot_variants(
         report,
         rows,
@@ -746,22 +848,28 @@ def sweep(args, tmp: Path, blocks, held_out, tokenizer, head: dict) -> dict:
 
 def ablation(args, tmp: Path, files, head: dict) -> dict:
     """Ours alone under the defaults and under each of --ablations, on every seed."""
+
+    def report_of(rows, best):
+        for row in rows:
+            row["mean_steps"] = float(np.mean([r["steps"] for r in row["runs"]]))
+        return {
+            "what": "ablation of ours' training recipe: held-out masked-LM loss (15% masked) against training "
+            "seconds under the defaults and under each change alone, the same budget",
+            **head,
+            "ablation": {"best": best["variant"], "rows": rows},
+        }
+
     rows, best = run_variants(
         args,
-        [(name, {"variant": name, "options": ABLATIONS[name]}) for name in args.ablations],
+        head,
+        [{"variant": name, "options": ABLATIONS[name]} for name in args.ablations],
+        lambda row: row["variant"],
         lambda seed, i: run_ours(
             args, seed, files, tmp / "tokenizer", tmp / f"ablation-{i}-{seed}", ABLATIONS[args.ablations[i]]
         ),
+        report_of,
     )
-    for row in rows:
-        row["mean_steps"] = float(np.mean([r["steps"] for r in row["runs"]]))
-    report = {
-        "what": "ablation of ours' training recipe: held-out masked-LM loss (15% masked) against training seconds "
-        "under the defaults and under each change alone, the same budget",
-        **head,
-        "ablation": {"best": best["variant"], "rows": rows},
-    }
-    cli.write_result_json(report, f"{args.out}.json")
+    report = report_of(rows, best)
     plot_variants(report, rows, lambda row: row["variant"], best, "hf-bert-impl, recipe ablation", f"{args.out}.png")
     for row in rows:
         print(
@@ -881,4 +989,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_cli(main))

@@ -34,8 +34,10 @@ mkdir -p "$out"
 start=$(date +%s)
 
 echo "== 1/3 pretraining a tiny BERT (masked LM, $what) on the embedded corpus -> $out/mlm-tiny"
+# pretrain_mlm.py's defaults (masking 30%, dropout off while pretraining); held out at BERT's 15%, the usual perplexity
 $py scripts/pretrain_mlm.py --output_dir "$out/mlm-tiny" --model_size tiny --tokenizer_vocab_size 4000 \
   --max_seq_length 64 --per_device_train_batch_size 32 --learning_rate 1e-3 "${length[@]}" \
+  --eval_mlm_probability 0.15 \
   --logging_steps 25 --save_strategy no --report_to none --use_cpu --seed 42
 
 echo "== 2/3 fine-tuning it on the embedded statement-topic task -> $out/statement-topic"

@@ -119,6 +119,16 @@ class ModelArguments:
             "logits as usual."
         },
     )
+    pretraining_dropout: str = field(
+        default="0",
+        metadata={
+            "help": "Dropout rate of the encoder (hidden and attention dropout) while pretraining. Default 0: off, "
+            "as Cramming pretrains (Geiping & Goldstein 2022); it trains best in docs/training.md's ablation. "
+            "'config': the config's own rates. The saved config (checkpoints too) keeps its own rates (BERT's "
+            "0.1 unless --config_overrides, --config_name or the checkpoint set others): fine-tuning the saved "
+            "model runs with them."
+        },
+    )
     kernels: str = field(default="auto", metadata={"help": cli.KERNELS_HELP})
 
 
@@ -134,7 +144,11 @@ class DataArguments:
     )
     max_seq_length: int = field(default=128, metadata={"help": "Block length in tokens, [CLS] and [SEP] included."})
     mlm_probability: float = field(
-        default=0.15, metadata={"help": "Fraction of tokens masked (80%% [MASK], 10%% random, 10%% kept)."}
+        default=0.3,
+        metadata={
+            "help": "Fraction of tokens masked (80%% [MASK], 10%% random, 10%% kept). Default 0.3, as Wettig et al. "
+            "(2023) and MosaicBERT pretrain; it trains best in docs/training.md's ablation (BERT's: 0.15)."
+        },
     )
     eval_mlm_probability: float | None = field(
         default=None,
@@ -366,6 +380,33 @@ def build_model(model_args: ModelArguments, tokenizer, nsp: bool):
     return model
 
 
+def pretraining_dropout_rate(text: str) -> float | None:
+    """--pretraining_dropout: 'config' -> None (the config's rates), else a rate in [0, 1)."""
+    if text.strip().lower() == "config":
+        return None
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = math.nan
+    if not 0.0 <= rate < 1.0:
+        raise cli.UsageError(f"--pretraining_dropout must be a rate in [0, 1) or 'config', got {text!r}")
+    return rate
+
+
+def set_pretraining_dropout(model, rate: float | None) -> list[float]:
+    """Every dropout of the model (nn.Dropout modules, attention's rate) at `rate` for this run; the config, read by
+    every save and every later load, keeps its own rates. -> [hidden, attention] rates the run trains with."""
+    config = model.config
+    if rate is None:
+        return [config.hidden_dropout_prob, config.attention_probs_dropout_prob]
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = rate
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = rate
+    return [rate, rate]
+
+
 def preprocess_logits_for_metrics(logits, labels):
     """Keep only argmax ids: the full (b, s, V) logits of a whole evaluation set would not fit in memory.
 
@@ -419,6 +460,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise cli.UsageError(f"--eval_mlm_probability must lie in (0, 1), got {data_args.eval_mlm_probability}")
 
     cli.check_kernels_argument(model_args.kernels)
+    dropout_rate = pretraining_dropout_rate(model_args.pretraining_dropout)
     measured_before = kernels_bert_impl.measurement_seconds()  # measuring done earlier in this process is not ours
 
     resume = cli.resolve_resume_argument(training_args)
@@ -526,6 +568,13 @@ def main(argv: list[str] | None = None) -> dict:
             "--eval_every_minutes needs validation data (--validation_file, or a split of the training data)"
         )
     model = build_model(model_args, tokenizer, data_args.nsp)
+    trains_with = set_pretraining_dropout(model, dropout_rate)
+    logger.info(
+        "pretraining with dropout %g (hidden) / %g (attention); the saved config keeps %g / %g for fine-tuning",
+        *trains_with,
+        model.config.hidden_dropout_prob,
+        model.config.attention_probs_dropout_prob,
+    )
     # The speed layer, from outside: the config and every save (checkpoint-N included) stay the plain model's.
     cli.apply_kernels(model, model_args.kernels, logger, sparse_prediction=model_args.sparse_prediction)
     logger.info(
@@ -595,6 +644,7 @@ def main(argv: list[str] | None = None) -> dict:
             "max_seq_length": data_args.max_seq_length,
             "mlm_probability": data_args.mlm_probability,
             "eval_mlm_probability": data_args.eval_mlm_probability,
+            "pretraining_dropout": trains_with,  # [hidden, attention]; the saved config keeps its own
             "lr_scheduler_type": getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type),
             "whole_word_mask": data_args.whole_word_mask,
             "next_sentence_prediction": data_args.nsp,

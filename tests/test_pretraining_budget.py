@@ -536,11 +536,11 @@ def test_fortunes_read_every_topic_file_once_and_make_a_balanced_topic_task(tmp_
 @pytest.mark.slow
 def test_the_ablation_trains_ours_under_each_lever_through_pretrain_mlm_and_evaluates_at_15_percent(tmp_path):
     """--ablation: ours through pretrain_mlm.py with one option changed per variant; each change is read back off
-    what trained (training_facts.json, config.json), every variant is evaluated at 15% masking, and the mean
+    what trained (training_facts.json), every variant is evaluated at 15% masking, and the mean
     loss and the lowest variant are recomputed here."""
     race = load_script("benchmark_pretraining")
     out = tmp_path / "ablation"
-    variants = ["defaults", "masking 40%", "dense prediction", "cosine schedule", "batch 16", "dropout 0"]
+    variants = ["defaults", "masking 15%", "dense prediction", "cosine schedule", "batch 16", "dropout 0.1"]
     args = ["--ablation", "--ablations", *variants, "--budget", "1", "--evaluations", "1", "--seeds", "0"]
     code = race.main(
         [*args, "--model_size", "debug", "--max_seq_length", "32", "--vocab_size", "400", "--out", str(out)]
@@ -553,21 +553,21 @@ def test_the_ablation_trains_ours_under_each_lever_through_pretrain_mlm_and_eval
     trained = {name: row["runs"][0]["trained_with"] for name, row in rows.items()}
     base = trained["defaults"]
     assert base == {
-        "mlm_probability": 0.15,
+        "mlm_probability": 0.3,
         "eval_mlm_probability": 0.15,
         "sparse_prediction": True,
         "train_batch_size": 32,
         "learning_rate": 1e-3,
         "warmup_steps": 0.1,
         "lr_scheduler_type": "linear",
-        "dropout": [0.1, 0.1],
+        "dropout": [0.0, 0.0],
     }
     changed = {
-        "masking 40%": {"mlm_probability": 0.4},
+        "masking 15%": {"mlm_probability": 0.15},
         "dense prediction": {"sparse_prediction": False},
         "cosine schedule": {"lr_scheduler_type": "cosine"},
         "batch 16": {"train_batch_size": 16},
-        "dropout 0": {"dropout": [0.0, 0.0]},
+        "dropout 0.1": {"dropout": [0.1, 0.1]},
     }
     for name, change in changed.items():
         assert trained[name] == {**base, **change}, name  # that one lever alone, evaluated at 15% as the rest
@@ -576,3 +576,86 @@ def test_the_ablation_trains_ours_under_each_lever_through_pretrain_mlm_and_eval
         assert row["mean_final_loss"] == run["curve"][-1]["eval_loss"] and math.isfinite(row["mean_final_loss"])
         assert row["mean_steps"] == run["steps"] > 0
     assert report["ablation"]["best"] == min(rows, key=lambda name: rows[name]["mean_final_loss"])
+
+
+@pytest.mark.slow
+def test_an_interrupted_ablation_keeps_its_runs_and_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
+    """The report is written after every run ("finished": false until the last); --resume takes a variant and seed
+    from earlier reports instead of training it again, and refuses a report of other settings or another kind."""
+    race = load_script("benchmark_pretraining")
+    small = ["--budget", "1", "--evaluations", "1", "--model_size", "debug", "--max_seq_length", "32"]
+    small += ["--vocab_size", "400"]
+    first = tmp_path / "first"
+    args = ["--ablation", "--ablations", "defaults", "batch 16", *small]
+    assert race.main([*args, "--seeds", "0", "--out", str(first)]) == 0
+    earlier = json.loads(first.with_suffix(".json").read_text())
+    assert earlier["finished"] is True
+    real_run_ours, trained = race.run_ours, []
+
+    def interrupted(args, seed, files, tokenizer_dir, out, options=()):
+        if len(trained) == 1:
+            raise KeyboardInterrupt
+        trained.append((seed, tuple(options)))
+        return real_run_ours(args, seed, files, tokenizer_dir, out, options)
+
+    monkeypatch.setattr(race, "run_ours", interrupted)
+    second = tmp_path / "second"
+    with pytest.raises(KeyboardInterrupt):
+        race.main([*args, "--seeds", "0", "1", "--resume", str(first.with_suffix(".json")), "--out", str(second)])
+    assert trained == [(1, ())]  # seed 0 of both variants came from the first report; defaults seed 1 trained
+    partial = json.loads(second.with_suffix(".json").read_text())
+    assert partial["finished"] is False  # written before batch 16 seed 1 was interrupted
+    assert [(row["variant"], [r["seed"] for r in row["runs"]]) for row in partial["ablation"]["rows"]] == [
+        ("defaults", [0, 1]),
+        ("batch 16", [0]),
+    ]
+    assert partial["ablation"]["rows"][0]["runs"][0] == earlier["ablation"]["rows"][0]["runs"][0]
+
+    trained.clear()
+    monkeypatch.setattr(race, "run_ours", lambda *a, **k: trained.append(a[1]) or real_run_ours(*a, **k))
+    third = tmp_path / "third"
+    resume = [str(first.with_suffix(".json")), str(second.with_suffix(".json"))]  # both hold defaults seed 0
+    assert race.main([*args, "--seeds", "0", "1", "--resume", *resume, "--out", str(third)]) == 0
+    assert trained == [1]  # batch 16 seed 1, the one run no report holds
+    report = json.loads(third.with_suffix(".json").read_text())
+    assert report["finished"] is True
+    rows = {row["variant"]: row for row in report["ablation"]["rows"]}
+    assert rows["defaults"]["runs"] == partial["ablation"]["rows"][0]["runs"]
+    for row in rows.values():
+        assert row["mean_final_loss"] == pytest.approx(np.mean([r["curve"][-1]["eval_loss"] for r in row["runs"]]))
+
+    trained.clear()  # --resume_only: one report from others, training nothing; what none holds is left out
+    merged = tmp_path / "merged"
+    only = ["--resume", resume[0], str(third.with_suffix(".json")), "--resume_only", "--out", str(merged)]
+    three = ["--ablations", "defaults", "batch 16", "dropout 0.1", "--seeds", "0", "1", "2"]
+    assert race.main([*args, *three, *only]) == 0
+    assert trained == []
+    report = json.loads(merged.with_suffix(".json").read_text())
+    assert report["finished"] is False  # seed 2 and dropout 0.1 are in no report
+    assert [(row["variant"], [r["seed"] for r in row["runs"]]) for row in report["ablation"]["rows"]] == [
+        ("defaults", [0, 1]),
+        ("batch 16", [0, 1]),
+    ]
+    with pytest.raises(UsageError, match="hold none of these variants"):
+        race.main([*args, "--ablations", "dropout 0.1", "--seeds", "0", *only])
+
+    changed = json.loads(third.with_suffix(".json").read_text())
+    changed["ablation"]["rows"][0]["runs"][0]["steps"] += 1
+    (tmp_path / "changed.json").write_text(json.dumps(changed))
+    with pytest.raises(UsageError, match="defaults seed 0 differs between"):
+        race.main([*args, "--seeds", "0", "--resume", resume[0], str(tmp_path / "changed.json"), "--out", str(third)])
+    for extra, message in (
+        (["--budget", "2"], "its budget is 1.0, this run's is 2.0"),
+        (["--corpus", "stdlib_docstrings"], "its corpus"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            race.main([*args, *extra, "--seeds", "0", "--resume", resume[0], "--out", str(tmp_path / "no")])
+    sweep = ["--sweep", *small, "--seeds", "0", "--resume", resume[0], "--out", str(tmp_path / "no")]
+    with pytest.raises(UsageError, match="not a --sweep report"):
+        race.main(sweep)
+    with pytest.raises(UsageError, match="not a readable report"):
+        race.main([*args, "--seeds", "0", "--resume", str(tmp_path / "missing.json"), "--out", str(tmp_path / "no")])
+    with pytest.raises(SystemExit):  # argparse: --resume needs --sweep or --ablation
+        race.parse_args(["--resume", resume[0]])
+    with pytest.raises(SystemExit):  # argparse: --resume_only needs --resume
+        race.parse_args(["--ablation", "--resume_only"])

@@ -122,8 +122,11 @@ def recomputed_accuracies(
     """The held-out accuracies of the model saved in `out`, recomputed here, outside the script's metric code: its
     validation file cut into blocks (pairs with `nsp`) and masked once with seed + 1 as pretrain_mlm.py does, the
     saved weights kernelized as the script evaluated them (auto, sparse prediction; the choices of this process) in
-    its evaluation batches, argmax against the labels. Returns the accuracies and the number of masked positions."""
+    its evaluation batches, argmax against the labels. The masking rate is the one training_facts.json says the
+    held-out blocks were masked at. Returns the accuracies and the number of masked positions."""
     from transformers import AutoTokenizer
+
+    rate = json.loads((out / "training_facts.json").read_text())["hyperparameters"]["eval_mlm_probability"]
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     texts = D.load_data_files(validation_file=str(validation_file))["validation"]
@@ -132,7 +135,7 @@ def recomputed_accuracies(
         if nsp
         else D.tokenize_and_group(texts, tokenizer, max_seq_length, with_offsets=whole_word_mask)
     )
-    held_out = D.mask_once(blocks, tokenizer, seed + 1, 0.15, whole_word_mask)
+    held_out = D.mask_once(blocks, tokenizer, seed + 1, rate, whole_word_mask)
     model = (BertImplForPreTraining if nsp else BertImplForMaskedLM).from_pretrained(out).eval()
     kernelize(model, "auto", sparse_prediction=True)
     collate = D.MLMCollator(tokenizer)  # examples masked once already: only padded
@@ -181,6 +184,9 @@ def test_pretrain_mlm_writes_a_complete_hub_directory(pretrain, files, tmp_path)
     config, facts = assert_hub_directory(out, "BertImplForMaskedLM")
     assert facts["task"] == "fill-mask" and facts["dataset"] == "train.txt" and facts["base_model"] is None
     assert facts["hyperparameters"]["whole_word_mask"] is True and facts["hyperparameters"]["max_steps"] == 4
+    # the defaults: masking 30%, held out at the training rate, dropout off while pretraining
+    assert facts["hyperparameters"]["mlm_probability"] == facts["hyperparameters"]["eval_mlm_probability"] == 0.3
+    assert facts["hyperparameters"]["pretraining_dropout"] == [0.0, 0.0]
     assert facts["metrics"]["eval_masked_accuracy"] == pytest.approx(metrics["eval_masked_accuracy"])
     card = (out / "README.md").read_text()
     assert "masked_accuracy" in card and "loss_curve.png" in card
@@ -634,6 +640,57 @@ def test_pretrain_mlm_applies_the_speed_layer_and_saves_the_plain_model(
     labels = torch.full_like(ids, -100)
     labels[:, 3] = ids[:, 3]
     assert loaded(ids, labels=labels).logits.shape == (2, 9, loaded.config.vocab_size)
+
+
+def _dropout_rates(model) -> tuple[set, set]:
+    """({p of every nn.Dropout}, {attention_dropout of every attention module}) of a model."""
+    hidden = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    return hidden, {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")}
+
+
+def test_pretraining_dropout_is_off_while_pretraining_and_the_saved_config_keeps_its_rates(
+    pretrain, files, tmp_path, monkeypatch
+):
+    """The defaults pretrain at 30% masking with every dropout off (the model in train mode gives the same output
+    twice, kernels applied), while config.json keeps BERT's 0.1 / 0.1, so the saved model fine-tunes with them;
+    --pretraining_dropout 0.25 trains every dropout at 0.25, 'config' at the config's own rates (here overridden);
+    a rate outside [0, 1) stops before training, naming the value."""
+    from hf_bert_impl.cli import UsageError
+
+    common = script_args(
+        train_file=files / "train.txt", tokenizer_name=files / "mlm", model_size="debug", max_seq_length=16,
+        max_steps=2, per_device_train_batch_size=4, validation_split_percentage=0, save_strategy="no",
+    )
+    seen = _built_model(pretrain, monkeypatch)
+    runs = {
+        "default": [],
+        "0.25": ["--pretraining_dropout", "0.25"],
+        "config": ["--pretraining_dropout", "config", "--config_overrides", "hidden_dropout_prob=0.2"],
+    }
+    expected = {"default": ([0.0, 0.0], [0.1, 0.1]), "0.25": ([0.25, 0.25], [0.1, 0.1]),
+                "config": ([0.2, 0.1], [0.2, 0.1])}
+    for name, options in runs.items():
+        out = tmp_path / name
+        pretrain.main(["--output_dir", str(out), *common, *options])
+        trained_with, saved = expected[name]
+        model = seen["model"]
+        assert _dropout_rates(model) == ({trained_with[0]}, {trained_with[1]}), name
+        facts = json.loads((out / "training_facts.json").read_text())["hyperparameters"]
+        assert facts["pretraining_dropout"] == trained_with and facts["mlm_probability"] == 0.3, facts
+        config = json.loads((out / "config.json").read_text())
+        assert [config["hidden_dropout_prob"], config["attention_probs_dropout_prob"]] == saved, name
+        reloaded = BertImplForMaskedLM.from_pretrained(out)
+        assert _dropout_rates(reloaded) == ({saved[0]}, {saved[1]}), name  # fine-tuning runs with the config's
+        if name == "default":
+            model.train()
+            ids = torch.randint(5, 100, (2, 12))
+            with torch.no_grad():
+                first, second = model(ids).logits, model(ids).logits
+            assert torch.equal(first, second), "dropout is still on while pretraining"
+    for bad in ("1.5", "-0.1", "off"):
+        with pytest.raises(UsageError, match=f"--pretraining_dropout must be a rate in \\[0, 1\\) .*got '{bad}'"):
+            pretrain.main(["--output_dir", str(tmp_path / "bad"), *common, "--pretraining_dropout", bad])
+    assert not (tmp_path / "bad" / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize(

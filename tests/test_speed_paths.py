@@ -1954,14 +1954,36 @@ def test_benchmark_against_the_serving_runtimes_in_one_run(tmp_path, monkeypatch
 
     bench = _benchmark_module()
 
-    def off_by_one(hf, ours):  # a runner 1.0 off transformers (uncompiled: the check, not the compiler, is tested)
-        return {"transformers_compile": (lambda batch: hf.bert(**batch).last_hidden_state + 1.0, "f32")}
+    def off_by_one(hf, ours, precision="f32"):  # a runner 1.0 off transformers (uncompiled: the check is tested)
+        return {"transformers_compile": (lambda batch: hf.bert(**batch).last_hidden_state + 1.0, precision)}
 
     monkeypatch.setattr(bench, "compiled_runners", off_by_one)
     with pytest.raises(SystemExit) as stop:
         bench.main(["--size", "tiny", "--seq_len", "16", "--batch_size", "2", "--pairs", "1", "--warmup", "0",
                     "--peak_n", "256", "--against", "compile", "--memory", "false"])
     assert stop.value.code == 2
+
+
+def test_benchmark_against_openvino_in_bf16(tmp_path, monkeypatch):
+    """--dtype bf16 --against openvino: transformers and ours run bf16 weights (the same weights, rounded), OpenVINO
+    converts the float32 model and runs its default precision (bf16 where the CPU has bf16 units) beside its f32
+    hint; each error is against float32 transformers, a bf16 runner's within 3x transformers' own bf16 error (the
+    transformers runner's), an f32 one's within 1e-4."""
+    monkeypatch.setenv("CI", "true")  # openvino's usage telemetry off
+    pytest.importorskip("openvino")
+    result = _tiny_benchmark(tmp_path, "--dtype", "bf16", "--against", "openvino", "--memory", "false")
+    anchors = result["backends"]["anchors"]
+    assert anchors["weights"] == "bf16" and "bf16_autocast_error_transformers" not in anchors
+    own = max(anchors["errors"][w]["transformers"] for w in ("fixed", "mixed"))
+    assert anchors["bf16_error_transformers"] == own > 1e-4  # bf16 rounding, far above float32's
+    for workload, row in anchors["workloads"].items():
+        assert row["transformers"]["precision"] == row["ours"]["precision"] == "bf16"
+        assert row["openvino_f32"]["precision"] == "f32" and row["openvino_default"]["precision"] in ("f32", "bf16")
+        for tag in ("transformers", "ours", "openvino_f32", "openvino_default"):
+            limit = 1e-4 if row[tag]["precision"] == "f32" else 3 * own
+            assert anchors["tolerances"][tag] == pytest.approx(limit)
+            assert row[tag]["max_abs_diff_vs_transformers_fp32"] == anchors["errors"][workload][tag] <= limit
+        _assert_row_follows_from_its_times(row, "transformers", result["matmul_peak_flops"]["best"])
 
 
 def test_benchmark_dense_mlm_step_checks_full_logits(tmp_path):
@@ -2077,8 +2099,9 @@ def test_benchmark_mixed_lengths_are_the_uniform_quantiles():
     (["--against", "tensorrt"],
      "--against must be transformers or a comma-separated subset of onnxruntime,openvino,compile, got 'tensorrt'"),
     (["--against", "openvino,transformers"], "comma-separated subset of onnxruntime,openvino,compile, got 'openvino,"),
-    (["--against", "onnxruntime", "--dtype", "bf16"],
-     "--against onnxruntime runs on the CPU from float32 weights, got --dtype bf16"),
+    (["--against", "onnxruntime", "--dtype", "bf16"], "--against onnxruntime runs float32 only"),
+    (["--against", "openvino", "--dtype", "autocast"],
+     "--against openvino runs on the CPU with fp32 or bf16 weights, got --dtype autocast"),
     (["--autocast_scope", "always"], "--autocast_scope must be forward or run, got 'always'"),
     (["--autocast_scope", "run"], "--autocast_scope run needs --dtype autocast, got --dtype fp32"),
     (["--optim", "adamw_fast"], "--optim 'adamw_fast': adamw_fast is not a valid OptimizerNames"),
