@@ -407,6 +407,7 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
             theirs_point["seconds"],
             theirs_point["eval_loss"],
         )
+        assert point["lower_bound"] is (ours["curve"][0]["eval_loss"] <= theirs_point["eval_loss"])
         if seconds is None:
             assert point["ours_seconds"] is None and point["speedup"] is None
         else:
@@ -422,6 +423,7 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
     for run in (ours, theirs):
         assert set(run["finetune"]) == {"statement_topic"}
         scores = run["finetune"]["statement_topic"]
+        assert scores["dropout"] == [0.1, 0.1]  # both fine-tune at --finetune_dropout (the opponent pretrained at 0)
         assert len(scores["predicted"]) == scores["test_sentences"] == len(gold)
         assert set(scores["predicted"]) <= {0, 1}
         hits = sum(p == g for p, g in zip(scores["predicted"], gold))
@@ -446,6 +448,29 @@ def test_time_to_reach_interpolates_between_evaluations():
     assert race.time_to_reach(curve, 7.0) == pytest.approx(15.0)
     assert race.time_to_reach(curve, 9.0) == pytest.approx(10.0)
     assert race.time_to_reach(curve, 4.0) is None
+
+
+def test_a_point_ours_beat_at_its_first_evaluation_is_a_bound_not_the_worst_speedup():
+    """transformers' loss at 150 s is above ours' first evaluation (also at 150 s): ours got there at 150 s or
+    sooner, so 1.0x is a lower bound; the worst speed-up after the first minute is the worst measured one."""
+    race = load_script("benchmark_pretraining")
+    ours = [{"seconds": t, "eval_loss": loss} for t, loss in ((150.0, 6.3), (300.0, 5.9), (450.0, 5.5))]
+    theirs = [{"seconds": t, "eval_loss": loss} for t, loss in ((150.0, 6.7), (300.0, 6.1), (450.0, 6.0))]
+    points = race.time_to_accuracy(ours, theirs)
+    assert [p["lower_bound"] for p in points] == [True, False, False]
+    assert points[0]["speedup"] == pytest.approx(1.0)  # at least
+    assert points[1]["speedup"] == pytest.approx(300.0 / 225.0)  # 6.1 halfway between 6.3 (150 s) and 5.9 (300 s)
+    assert points[2]["speedup"] == pytest.approx(450.0 / 262.5)
+    runs = {"ours": [{"seed": 0, "curve": ours, "steps": 3}]}
+    runs["transformers"] = [{"seed": 0, "curve": theirs, "steps": 2}]
+    summary = race.summarize(runs, budget=450.0)
+    row = summary["per_seed"][0]
+    assert row["lower_bounds_past_first_minute"] == [pytest.approx(1.0)]
+    assert row["worst_speedup_past_first_minute"] == summary["worst_speedup_past_first_minute"]
+    assert summary["worst_speedup_past_first_minute"] == pytest.approx(300.0 / 225.0)
+    # ours never reaching a point of transformers' is still the worst case (None)
+    runs["ours"][0]["curve"] = [{**p, "eval_loss": p["eval_loss"] + 0.6} for p in ours]  # 6.1 at 450 s > 6.0
+    assert race.summarize(runs, budget=450.0)["worst_speedup_past_first_minute"] is None
 
 
 @pytest.mark.slow
@@ -495,6 +520,14 @@ def test_opponent_recipes_parse_and_refuse_what_is_not_a_recipe(tmp_path):
             race.opponent_recipe(spec, 1e-3)
     with pytest.raises(SystemExit):  # argparse's error: the message names the option
         race.parse_args(["--opponent", "lr=1"])
+
+
+def test_a_bad_finetune_dropout_is_refused_with_its_value(capsys):
+    race = load_script("benchmark_pretraining")
+    assert race.parse_args([]).finetune_dropout == 0.1  # BERT's fine-tuning dropout, for both models
+    with pytest.raises(SystemExit):
+        race.parse_args(["--finetune_dropout", "1.5"])
+    assert "--finetune_dropout must be a rate in [0, 1), got 1.5" in capsys.readouterr().err
 
 
 def _fortune_folder(folder: Path) -> Path:
