@@ -659,8 +659,9 @@ def parse_args(argv=None):
         nargs="+",
         default=[],
         metavar="JSON",
-        help="with --sweep or --ablation: earlier reports of the same settings (their OUT.json, also an "
-        "interrupted one's) whose runs are taken instead of trained again, variant by variant and seed by seed",
+        help="earlier reports of the same kind (race, --sweep or --ablation) and settings (their OUT.json, also an "
+        "interrupted one's) whose runs are taken instead of trained again: model (or variant) by model and seed by "
+        "seed; a race's also share the opponent's recipe and the fine-tuning settings",
     )
     parser.add_argument(
         "--resume_only",
@@ -707,8 +708,6 @@ def parse_args(argv=None):
         parser.error("--sweep (transformers' recipes) and --ablation (ours') are separate runs: choose one")
     if not 0 <= args.finetune_dropout < 1:
         parser.error(f"--finetune_dropout must be a rate in [0, 1), got {args.finetune_dropout}")
-    if args.resume and not (args.sweep or args.ablation):
-        parser.error("--resume takes the runs of a --sweep or --ablation report: give one of them")
     if args.resume_only and not args.resume:
         parser.error("--resume_only builds the report from --resume's reports: give them")
     return args
@@ -758,16 +757,22 @@ RESUME_SETTINGS = (
 )
 
 
+# and what a race's must share besides: its runs are also fine-tuned and raced against one recipe
+RACE_RESUME_SETTINGS = ("finetune_tasks", "finetune_epochs", "finetune_learning_rate", "finetune_dropout")
+
+
 def resumed_reports(args, head: dict) -> list[tuple[str, dict]]:
-    """--resume's reports, read and checked against this run: the same kind (sweep or ablation), version, corpus
-    (its name and size), CPU (name, family and model) and RESUME_SETTINGS, so that a run taken from one is a run
-    this one would have made."""
-    kind = "sweep" if args.sweep else "ablation"
+    """--resume's reports, read and checked against this run: the same kind (race, sweep or ablation), version,
+    corpus (its name and size), CPU (name, family and model) and RESUME_SETTINGS (a race's: also the opponent's
+    recipe and RACE_RESUME_SETTINGS), so that a run taken from one is a run this one would have made."""
+    kind = "sweep" if args.sweep else "ablation" if args.ablation else "race"
+    keys = RESUME_SETTINGS + (RACE_RESUME_SETTINGS if kind == "race" else ())
     ours = {
         "version": __version__,
         **{k: head["machine"].get(k) for k in ("cpu", "cpu_family_model")},
         "corpus": head["corpus"],
-        **{k: head["settings"][k] for k in RESUME_SETTINGS},
+        **({"opponent": args.recipe} if kind == "race" else {}),
+        **{k: head["settings"][k] for k in keys},
     }
     reports = []
     for path in args.resume:
@@ -775,13 +780,16 @@ def resumed_reports(args, head: dict) -> list[tuple[str, dict]]:
             report = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             raise cli.UsageError(f"--resume {path}: not a readable report ({e})") from e
-        if not isinstance(report, dict) or kind not in report:
-            raise cli.UsageError(f"--resume {path}: not a --{kind} report (no {kind!r} section)")
+        sections = ("runs", "opponent") if kind == "race" else (kind,)
+        if not isinstance(report, dict) or any(section not in report for section in sections):
+            what = "race" if kind == "race" else f"--{kind}"
+            raise cli.UsageError(f"--resume {path}: not a {what} report (no {' or '.join(map(repr, sections))})")
         theirs = {
             "version": report.get("version"),
             **{k: report.get("machine", {}).get(k) for k in ("cpu", "cpu_family_model")},
             "corpus": report.get("corpus"),
-            **{k: report.get("settings", {}).get(k) for k in RESUME_SETTINGS},
+            **({"opponent": report.get("opponent")} if kind == "race" else {}),
+            **{k: report.get("settings", {}).get(k) for k in keys},
         }
         for key, value in ours.items():
             if theirs[key] != value:
@@ -911,6 +919,61 @@ def ablation(args, tmp: Path, files, head: dict) -> dict:
     return report
 
 
+def paired(runs: dict) -> dict:
+    """The runs of the seeds both models have, in the same order (an interrupted race's report is summarised over
+    those)."""
+    seeds = [r["seed"] for r in runs["ours"] if any(t["seed"] == r["seed"] for t in runs["transformers"])]
+    return {name: [next(r for r in rs if r["seed"] == seed) for seed in seeds] for name, rs in runs.items()}
+
+
+def race(args, head: dict, tmp: Path, files, blocks, held_out, tokenizer, tasks: dict, race_report) -> dict:
+    """Both models on every seed (the two runs of a seed take turns in which goes first), each fine-tuned on
+    `tasks`; a model and seed that one of --resume's reports holds is taken from there instead (with --resume_only,
+    nothing is trained). `race_report(runs, finished)` is written to OUT.json after every run, and OUT.png after
+    every seed both models have, so an interrupted race keeps what it did and `--resume OUT.json` goes on."""
+    earlier = {}
+    for path, report in resumed_reports(args, head):
+        for name, rs in report["runs"].items():
+            for run in rs:
+                key = (name, run["seed"])
+                if key in earlier and earlier[key][1] != run:
+                    raise cli.UsageError(
+                        f"--resume: {name} seed {run['seed']} differs between {earlier[key][0]} and {path}"
+                    )
+                earlier.setdefault(key, (path, run))
+    runs = {"ours": [], "transformers": []}
+    for i, seed in enumerate(args.seeds):
+        order = ("ours", "transformers") if i % 2 == 0 else ("transformers", "ours")
+        for name in order:
+            if (name, seed) in earlier:
+                path, result = earlier[(name, seed)]
+                print(f"seed {seed} {name}: taken from {path}")
+            elif args.resume_only:
+                print(f"seed {seed} {name}: in no --resume report, left out (--resume_only)")
+                continue
+            else:
+                out = tmp / f"{name}-{seed}"
+                result = (
+                    run_ours(args, seed, files, tmp / "tokenizer", out)
+                    if name == "ours"
+                    else run_transformers(args, seed, blocks, held_out, tokenizer, out, args.recipe)
+                )
+                result["seed"] = seed
+                if tasks:
+                    result["finetune"] = {
+                        task: finetune(args, seed, out, name, tokenizer, task, data) for task, data in tasks.items()
+                    }
+            runs[name].append(result)
+            print_run(seed, name, result)
+            finished = all(len(rs) == len(args.seeds) for rs in runs.values())
+            cli.write_result_json(race_report(runs, finished), f"{args.out}.json")
+        if paired(runs)["ours"]:
+            plot(race_report(runs, finished), f"{args.out}.png")
+    if not paired(runs)["ours"]:
+        raise cli.UsageError("--resume_only: the --resume reports hold no seed with both models")
+    return runs
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -949,42 +1012,27 @@ def main(argv=None) -> int:
             )
         print(f"transformers' recipe: {recipe_label(args.recipe)}", flush=True)
 
-        runs = {"ours": [], "transformers": []}
-        for i, seed in enumerate(args.seeds):
-            order = ("ours", "transformers") if i % 2 == 0 else ("transformers", "ours")
-            for name in order:
-                out = tmp / f"{name}-{seed}"
-                result = (
-                    run_ours(args, seed, files, tmp / "tokenizer", out)
-                    if name == "ours"
-                    else run_transformers(args, seed, blocks, held_out, tokenizer, out, args.recipe)
-                )
-                result["seed"] = seed
-                if tasks:
-                    result["finetune"] = {
-                        task: finetune(args, seed, out, name, tokenizer, task, data) for task, data in tasks.items()
-                    }
-                runs[name].append(result)
-                print_run(seed, name, result)
+        def race_report(runs: dict, finished: bool = True) -> dict:
+            return {
+                "what": "pretraining race: held-out masked-LM loss (15% masked) against training seconds, ours "
+                "(defaults) vs transformers' BertForMaskedLM under the opponent's recipe, the same budget",
+                **head,
+                "opponent": args.recipe,
+                "collator_cost": cost,
+                "parity": parity,
+                "summary": summarize(paired(runs), args.budget) if paired(runs)["ours"] else None,
+                "kernels": {
+                    "setting": args.kernels,
+                    "chosen": kernels_bert_impl.chosen_kernels(),  # this process's; each run of ours has its own
+                    "measurement_seconds": round(kernels_bert_impl.measurement_seconds(), 3),
+                    "cache": cli.kernel_record_path(),
+                },
+                "runs": runs,
+                "finished": finished,
+            }
 
-    report = {
-        "what": "pretraining race: held-out masked-LM loss (15% masked) against training seconds, ours (defaults) vs "
-        "transformers' BertForMaskedLM under the opponent's recipe, the same budget",
-        **head,
-        "opponent": args.recipe,
-        "collator_cost": cost,
-        "parity": parity,
-        "summary": summarize(runs, args.budget),
-        "kernels": {
-            "setting": args.kernels,
-            "chosen": kernels_bert_impl.chosen_kernels(),
-            "measurement_seconds": round(kernels_bert_impl.measurement_seconds(), 3),
-            "cache": cli.kernel_record_path(),
-        },
-        "runs": runs,
-    }
-    cli.write_result_json(report, f"{args.out}.json")
-    plot(report, f"{args.out}.png")
+        runs = race(args, head, tmp, files, blocks, held_out, tokenizer, tasks, race_report)
+    report = race_report(runs, all(len(rs) == len(args.seeds) for rs in runs.values()))
     s = report["summary"]
     print(
         f"mean held-out loss at {args.budget:.0f} s: ours {s['mean_final_loss']['ours']:.3f} "

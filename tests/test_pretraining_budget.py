@@ -366,6 +366,7 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
     )
     report = json.loads((tmp_path / "race.json").read_text())
     assert (tmp_path / "race.png").stat().st_size > 10_000
+    assert report["finished"] is True
 
     losses = report["parity"]["losses"]
     assert len(losses["ours"]) == len(losses["transformers"]) == steps
@@ -688,7 +689,76 @@ def test_an_interrupted_ablation_keeps_its_runs_and_resume_trains_only_what_is_m
         race.main(sweep)
     with pytest.raises(UsageError, match="not a readable report"):
         race.main([*args, "--seeds", "0", "--resume", str(tmp_path / "missing.json"), "--out", str(tmp_path / "no")])
-    with pytest.raises(SystemExit):  # argparse: --resume needs --sweep or --ablation
-        race.parse_args(["--resume", resume[0]])
     with pytest.raises(SystemExit):  # argparse: --resume_only needs --resume
         race.parse_args(["--ablation", "--resume_only"])
+
+
+def test_an_interrupted_race_keeps_its_runs_and_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
+    """The race's report is written after every run ("finished": false until the last; the summary over the seeds
+    both models have) and its plot after every such seed; --resume takes a model and seed from earlier race reports
+    instead of training it again, and refuses one of another opponent, other fine-tuning or another kind. The two
+    trainings are replaced by synthetic curves (the race's bookkeeping is what is tested; the slow race test trains)."""
+    race = load_script("benchmark_pretraining")
+    trained = []
+
+    def fake(name, seed, interrupt_at=None):
+        if len(trained) == interrupt_at:
+            raise KeyboardInterrupt
+        trained.append((name, seed))
+        start = 7.0 if name == "ours" else 7.5
+        curve = [{"seconds": t, "step": 10 * t, "eval_loss": start - 0.1 * t - 0.01 * seed} for t in (1.0, 2.0)]
+        return {"curve": curve, "steps": 20, "kernels": {}}
+
+    def patch(interrupt_at=None):
+        monkeypatch.setattr(race, "run_ours", lambda args, seed, *rest, **k: fake("ours", seed, interrupt_at))
+        monkeypatch.setattr(race, "run_transformers", lambda args, seed, *rest: fake("transformers", seed, interrupt_at))
+
+    args = ["--budget", "2", "--evaluations", "2", "--vocab_size", "400", "--parity_steps", "0"]
+    args += ["--finetune_tasks", "--opponent", "mlm_probability=0.3,dropout=0"]
+    first = tmp_path / "first"
+    patch(interrupt_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        race.main([*args, "--seeds", "0", "1", "--out", str(first)])
+    assert trained == [("ours", 0), ("transformers", 0)]  # seed 1 (transformers first) was interrupted
+    partial = json.loads(first.with_suffix(".json").read_text())
+    assert partial["finished"] is False and first.with_suffix(".png").stat().st_size > 10_000
+    assert {name: [r["seed"] for r in rs] for name, rs in partial["runs"].items()} == {"ours": [0], "transformers": [0]}
+    (row,) = partial["summary"]["per_seed"]
+    assert (row["seed"], row["ours_final_loss"], row["transformers_final_loss"]) == (0, 6.8, 7.3)
+
+    trained.clear()
+    patch()
+    second = tmp_path / "second"
+    assert race.main([*args, "--seeds", "0", "1", "--resume", str(first.with_suffix(".json")), "--out", str(second)]) == 0
+    assert trained == [("transformers", 1), ("ours", 1)]  # seed 0 of both came from the first report
+    report = json.loads(second.with_suffix(".json").read_text())
+    assert report["finished"] is True
+    assert report["runs"]["ours"][0] == partial["runs"]["ours"][0]
+    assert [row["seed"] for row in report["summary"]["per_seed"]] == [0, 1]
+    assert report["summary"]["mean_final_loss"]["ours"] == pytest.approx(np.mean([6.8, 6.79]))
+
+    trained.clear()  # --resume_only: one report from others, training nothing; seed 2 is in none
+    merged = tmp_path / "merged"
+    only = ["--resume", str(first.with_suffix(".json")), str(second.with_suffix(".json")), "--resume_only"]
+    assert race.main([*args, "--seeds", "0", "1", "2", *only, "--out", str(merged)]) == 0
+    assert trained == []
+    report = json.loads(merged.with_suffix(".json").read_text())
+    assert report["finished"] is False and [row["seed"] for row in report["summary"]["per_seed"]] == [0, 1]
+    with pytest.raises(UsageError, match="hold no seed with both models"):
+        race.main([*args, "--seeds", "2", *only, "--out", str(tmp_path / "no")])
+
+    resume = ["--resume", str(second.with_suffix(".json")), "--out", str(tmp_path / "no")]
+    for extra, message in (
+        (["--finetune_dropout", "0"], "its finetune_dropout is 0.1, this run's is 0.0"),
+        (["--opponent", "run_mlm"], "its opponent is"),
+        (["--budget", "3"], "its budget is 2.0, this run's is 3.0"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            race.main([*args, *extra, "--seeds", "0", *resume])
+    with pytest.raises(UsageError, match="not a --ablation report"):
+        race.main(["--ablation", "--budget", "2", "--evaluations", "2", "--vocab_size", "400", *resume])
+    ablation = json.loads(second.with_suffix(".json").read_text())
+    ablation = {k: v for k, v in ablation.items() if k not in ("runs", "opponent")} | {"ablation": {"rows": []}}
+    (tmp_path / "ablation.json").write_text(json.dumps(ablation))
+    with pytest.raises(UsageError, match="not a race report"):
+        race.main([*args, "--seeds", "0", "--resume", str(tmp_path / "ablation.json"), "--out", str(tmp_path / "no")])
