@@ -50,6 +50,9 @@ OUT.json, which `--opponent OUT.json` then races. Corpora: "embedded" (the Langu
 Writes OUT.json (every curve, the opponent's recipe as it trained, the settings, the kernels ours chose, the machine)
 and OUT.png (held-out loss against training seconds, both models, every seed; beside it the time-to-accuracy
 speed-up at each of transformers' evaluations). Exit status 1 when a check fails (collator cost or parity).
+A race, a sweep and an ablation write OUT.json after every run ("finished": false until the last; a race's summary
+and plot cover the seeds both models have), so an interrupted one keeps what it did: `--resume OUT.json` trains
+only the runs it lacks (a race's: model by model and seed by seed), and takes more seeds onto an earlier report.
 """
 
 from __future__ import annotations
