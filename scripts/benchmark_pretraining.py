@@ -801,6 +801,19 @@ def resumed_reports(args, head: dict) -> list[tuple[str, dict]]:
     return reports
 
 
+def earlier_runs(args, head: dict, runs_in) -> dict:
+    """(label, seed) -> (what the run belongs to, the report's path, the run) for every run of --resume's reports;
+    `runs_in(report)` yields (label, what it belongs to, run). A run two reports hold differently stops here."""
+    earlier = {}
+    for path, report in resumed_reports(args, head):
+        for name, owner, run in runs_in(report):
+            key = (name, run["seed"])
+            if key in earlier and earlier[key][2] != run:
+                raise cli.UsageError(f"--resume: {name} seed {key[1]} differs between {earlier[key][1]} and {path}")
+            earlier.setdefault(key, (owner, path, run))
+    return earlier
+
+
 def run_variants(args, head: dict, variants: list[dict], label, train, report_of) -> tuple[list[dict], dict]:
     """Each variant (the fields of its row; `label(row)` names it) trained on every seed by `train(seed, index)`:
     rows of those fields, "mean_final_loss" (held-out loss at the budget, mean of the seeds) and "runs"; and the row
@@ -808,16 +821,15 @@ def run_variants(args, head: dict, variants: list[dict], label, train, report_of
     there instead of trained; with --resume_only nothing is trained, a pair no report holds is left out, and so is a
     variant with none. `report_of(rows, best)` is written to OUT.json after every run ("finished": false until every
     variant has every seed), so an interrupted run keeps what it did and `--resume OUT.json` goes on from there."""
-    earlier = {}
-    for path, report in resumed_reports(args, head):
-        for row in report["sweep"]["recipes"] if args.sweep else report["ablation"]["rows"]:
-            for run in row["runs"]:
-                key = (label(row), run["seed"])
-                if key in earlier and earlier[key][2] != run:
-                    raise cli.UsageError(
-                        f"--resume: {key[0]} seed {key[1]} differs between {earlier[key][1]} and {path}"
-                    )
-                earlier.setdefault(key, (row, path, run))
+    earlier = earlier_runs(
+        args,
+        head,
+        lambda report: (
+            (label(row), row, run)
+            for row in (report["sweep"]["recipes"] if args.sweep else report["ablation"]["rows"])
+            for run in row["runs"]
+        ),
+    )
     rows, best = [], None
     total, done = len(variants) * len(args.seeds), 0
     for index, fields in enumerate(variants):
@@ -933,23 +945,17 @@ def race(args, head: dict, tmp: Path, files, blocks, held_out, tokenizer, tasks:
     """Both models on every seed (the two runs of a seed take turns in which goes first), each fine-tuned on
     `tasks`; a model and seed that one of --resume's reports holds is taken from there instead (with --resume_only,
     nothing is trained). `race_report(runs, finished)` is written to OUT.json after every run, and OUT.png after
-    every seed both models have, so an interrupted race keeps what it did and `--resume OUT.json` goes on."""
-    earlier = {}
-    for path, report in resumed_reports(args, head):
-        for name, rs in report["runs"].items():
-            for run in rs:
-                key = (name, run["seed"])
-                if key in earlier and earlier[key][1] != run:
-                    raise cli.UsageError(
-                        f"--resume: {name} seed {run['seed']} differs between {earlier[key][0]} and {path}"
-                    )
-                earlier.setdefault(key, (path, run))
-    runs = {"ours": [], "transformers": []}
+    every seed both models have, so an interrupted race keeps what it did and `--resume OUT.json` goes on. Returns
+    the last report written."""
+    earlier = earlier_runs(
+        args, head, lambda report: ((name, None, run) for name, rs in report["runs"].items() for run in rs)
+    )
+    runs, report = {"ours": [], "transformers": []}, None
     for i, seed in enumerate(args.seeds):
         order = ("ours", "transformers") if i % 2 == 0 else ("transformers", "ours")
         for name in order:
             if (name, seed) in earlier:
-                path, result = earlier[(name, seed)]
+                _, path, result = earlier[(name, seed)]
                 print(f"seed {seed} {name}: taken from {path}")
             elif args.resume_only:
                 print(f"seed {seed} {name}: in no --resume report, left out (--resume_only)")
@@ -968,13 +974,13 @@ def race(args, head: dict, tmp: Path, files, blocks, held_out, tokenizer, tasks:
                     }
             runs[name].append(result)
             print_run(seed, name, result)
-            finished = all(len(rs) == len(args.seeds) for rs in runs.values())
-            cli.write_result_json(race_report(runs, finished), f"{args.out}.json")
-        if paired(runs)["ours"]:
-            plot(race_report(runs, finished), f"{args.out}.png")
-    if not paired(runs)["ours"]:
+            report = race_report(runs, all(len(rs) == len(args.seeds) for rs in runs.values()))
+            cli.write_result_json(report, f"{args.out}.json")
+        if report and report["summary"]:
+            plot(report, f"{args.out}.png")
+    if not (report and report["summary"]):
         raise cli.UsageError("--resume_only: the --resume reports hold no seed with both models")
-    return runs
+    return report
 
 
 def main(argv=None) -> int:
@@ -1015,7 +1021,8 @@ def main(argv=None) -> int:
             )
         print(f"transformers' recipe: {recipe_label(args.recipe)}", flush=True)
 
-        def race_report(runs: dict, finished: bool = True) -> dict:
+        def race_report(runs: dict, finished: bool) -> dict:
+            pairs = paired(runs)
             return {
                 "what": "pretraining race: held-out masked-LM loss (15% masked) against training seconds, ours "
                 "(defaults) vs transformers' BertForMaskedLM under the opponent's recipe, the same budget",
@@ -1023,7 +1030,7 @@ def main(argv=None) -> int:
                 "opponent": args.recipe,
                 "collator_cost": cost,
                 "parity": parity,
-                "summary": summarize(paired(runs), args.budget) if paired(runs)["ours"] else None,
+                "summary": summarize(pairs, args.budget) if pairs["ours"] else None,
                 "kernels": {
                     "setting": args.kernels,
                     "chosen": kernels_bert_impl.chosen_kernels(),  # this process's; each run of ours has its own
@@ -1034,8 +1041,7 @@ def main(argv=None) -> int:
                 "finished": finished,
             }
 
-        runs = race(args, head, tmp, files, blocks, held_out, tokenizer, tasks, race_report)
-    report = race_report(runs, all(len(rs) == len(args.seeds) for rs in runs.values()))
+        report = race(args, head, tmp, files, blocks, held_out, tokenizer, tasks, race_report)
     s = report["summary"]
     print(
         f"mean held-out loss at {args.budget:.0f} s: ours {s['mean_final_loss']['ours']:.3f} "
