@@ -2,6 +2,7 @@
 
     model = AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=True)
     hf_bert_impl.kernelize(model)                # kernels="auto": each kernel measured against the plain model here
+    hf_bert_impl.kernelize(model, frozen=True)   # serving: the weights stay as they are (may pack them once)
     hf_bert_impl.kernelize(model, "reference")   # back to the plain model
 
 The model file (modeling_bert_impl.py) is the plain model and the reference; it knows nothing of this file. `kernelize`
@@ -14,6 +15,12 @@ LoRA layer, a quantized linear) or hooked runs its own forward. The kernels, by 
                        torch.compile's CPU backend emits)
   MLP, MLM head        "fused_activation": GELU / ReLU inside           act(Linear(x))
                        oneDNN's float32 GEMM (inference)
+  nn.Linear, MLP,      "packed_linear" (inference; "auto" only with     F.linear, act(Linear(x))
+  MLM head             `frozen=True`): oneDNN's GEMM on the weight
+                       reordered once into its blocked layout, kept
+                       beside the layer (never in it) until the
+                       weight changes; the activation inside where
+                       "fused_activation" puts it
   MLM decoder          "skip_zero_rows": the backward skips rows        the full backward
                        of positions without a label
   nn.Dropout and       "bits_dropout": masks from 32 random bits        F.dropout (torch's bernoulli_, element by
@@ -33,14 +40,14 @@ class) it times its candidates against the reference on that input (a warm-up an
 fastest of those that agree with the reference within the kernel's tolerance (`TOLERANCE`; a disagreeing kernel is
 never chosen). Choices are kept for the process and recorded in a JSON file under the Hugging Face cache
 (`cache_path()`: $HF_HOME/hf_bert_impl/kernels.json; `HF_BERT_IMPL_KERNEL_CACHE=off` keeps them in memory only), keyed
-by this package's version, torch's, the CPU capability and the thread count, and written under a file lock that is
-given up after `LOCK_TIMEOUT_S` (the choices are then made and kept in memory): the processes of one machine and later
-seeded runs make the same choices. `chosen_kernels()` returns them; the logger "hf_bert_impl.kernels" says each one;
-`kernelized(model)` lists the modules and their kernels. The linear and dropout kernels run on plain CPU tensors
-outside torch.compile, export and tracing (there the reference runs); the unpadded layout runs on accelerators too (a
-compact grid, or flash-attention's varlen arguments), and under torch.compile where dynamo is set to capture
-data-dependent sizes (`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the layers on the real tokens,
-attention on the padded grid; otherwise the compiled model is the plain one).
+by this package's version, torch's, the CPU capability, the thread count and the kernels chosen among, and written
+under a file lock that is given up after `LOCK_TIMEOUT_S` (the choices are then made and kept in memory): the processes
+of one machine and later seeded runs make the same choices. `chosen_kernels()` returns them; the logger
+"hf_bert_impl.kernels" says each one; `kernelized(model)` lists the modules and their kernels. The linear and dropout
+kernels run on plain CPU tensors outside torch.compile, export and tracing (there the reference runs); the unpadded
+layout runs on accelerators too (a compact grid, or flash-attention's varlen arguments), and under torch.compile where
+dynamo is set to capture data-dependent sizes (`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the
+layers on the real tokens, attention on the padded grid; otherwise the compiled model is the plain one).
 """
 
 import functools
@@ -50,6 +57,7 @@ import os
 import threading
 import time
 import types
+import weakref
 from dataclasses import dataclass, field
 
 import filelock
@@ -65,8 +73,8 @@ from . import modeling_bert_impl as plain
 
 logger = logging.getLogger("hf_bert_impl.kernels")
 
-KERNELS = ("onednn_linear", "fused_activation", "skip_zero_rows", "bits_dropout", "unpadded", "per_sequence_attention",
-           "grid_attention")
+KERNELS = ("onednn_linear", "fused_activation", "packed_linear", "skip_zero_rows", "bits_dropout", "unpadded",
+           "per_sequence_attention", "grid_attention")
 # A kernel is kept only if its output is within this of the reference's on the measured input (max abs difference,
 # relative to the reference's largest magnitude; float32: GEMM reordering, bfloat16: its 8-bit mantissa).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -92,9 +100,11 @@ def kernel_names(setting) -> frozenset | str:
 
 
 def parse_setting(setting) -> frozenset | str:
-    """`kernels` -> "auto", "reference", or the forced kernel names ("fused_activation" implies "onednn_linear")."""
+    """`kernels` -> "auto", "reference", or the forced kernel names ("fused_activation" and "packed_linear" imply
+    "onednn_linear", the GEMM they run on and the one a training call of theirs runs)."""
     choice = kernel_names(setting)
-    return choice | {"onednn_linear"} if isinstance(choice, frozenset) and "fused_activation" in choice else choice
+    on_onednn = isinstance(choice, frozenset) and choice & {"fused_activation", "packed_linear"}
+    return choice | {"onednn_linear"} if on_onednn else choice
 
 
 class _Choices:
@@ -129,11 +139,11 @@ def cache_path() -> str | None:
     return None if path.lower() in ("", "off", "0", "false") else path
 
 
-def _machine() -> str:  # what a recorded choice holds for: this package, the torch build, CPU capability, threads
-    from . import __version__
+def _machine() -> str:  # what a recorded choice holds for: this package, the torch build, CPU capability, threads,
+    from . import __version__  # the kernels it was chosen among
 
     return (f"hf_bert_impl {__version__}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
-            f"{torch.get_num_threads()} threads")
+            f"{torch.get_num_threads()} threads, kernels {'/'.join(KERNELS)}")
 
 
 class _Record:
@@ -261,6 +271,46 @@ def _onednn_runs(dtype) -> bool:
     return _ONEDNN_RUNS[dtype]
 
 
+_PACKS: dict = {}  # dtype -> whether oneDNN reorders a weight of it into its blocked layout here (asked at first use)
+# Packed weights: nn.Linear -> (weakref to the weight, its state, the packed weight). One per layer, packed for
+# PACK_ROWS rows: oneDNN's layout for 16 rows ran as fast as the one for the call's own rows from 16 to 1024 rows
+# (bert-base's four GEMM shapes, AMD EPYC Zen 3, 2 threads); "auto" keeps the plain weight where that is faster.
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PACK_ROWS = 16
+
+
+def _reorder_op():
+    return getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _onednn_op() is not None else None
+
+
+def _packs(dtype) -> bool:
+    if dtype not in _PACKS:
+        g = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 8), (3, 8), (3,)))
+        reorder = _reorder_op()
+        _PACKS[dtype] = reorder is not None and _onednn_runs(dtype) and _try_agrees(
+            lambda: _onednn_op()(x, reorder(w, 8), b, "none", [], ""), F.linear(x, w, b))
+    return _PACKS[dtype]
+
+
+def _weight_state(w: torch.Tensor, dtype) -> tuple:  # what a packed weight was made from: changed, it is made again
+    try:
+        version = w._version  # in-place changes: an optimizer step, load_state_dict, a merged adapter
+    except RuntimeError:  # an inference tensor has no version counter (and cannot change outside inference mode)
+        version = None
+    return w.data_ptr(), version, tuple(w.shape), w.dtype, dtype
+
+
+def _packed_weight(layer: nn.Module, w: torch.Tensor, dtype) -> torch.Tensor:
+    """`layer`'s weight in `dtype`, reordered into oneDNN's blocked layout: made once and kept beside the layer (never
+    in its parameters, buffers or state dict) until the weight changes (its data, version, shape or dtype: a training
+    step, load_state_dict, `.to()`, a new Parameter) or `kernelize` is called again."""
+    entry, state = _PACKED.get(layer), _weight_state(w, dtype)
+    if entry is None or entry[0]() is not w or entry[1] != state:
+        entry = _PACKED[layer] = (weakref.ref(w), state, _reorder_op()(w.detach().to(dtype), PACK_ROWS))
+    return entry[2]
+
+
 def _gemm(x, weight, bias, onednn: bool):  # x Wᵀ + b
     return _onednn_op()(x, weight, bias, "none", [], "") if onednn else F.linear(x, weight, bias)
 
@@ -302,10 +352,11 @@ class _LinearFunction(torch.autograd.Function):
 _CAST_BUFFERS = threading.local()  # per thread: (shape, dtype) -> the buffer no-grad autocast casts of weights reuse
 
 
-def _linear_candidates(x, w, b, act, grad: bool) -> dict:
+def _linear_candidates(x, w, b, act, grad: bool, pack: bool = False) -> dict:
     """The ways to compute act(x Wᵀ + b) here: {name: fn() -> Tensor}; oneDNN only where it also computes the
-    backward's transposed GEMM right. In grad mode each runs with its backward (dy random), as a training step
-    does: a GEMM faster forward can be slower forward + backward."""
+    backward's transposed GEMM right; with `pack` (inference of a frozen model) also on the weight packed once.
+    In grad mode each runs with its backward (dy random), as a training step does: a GEMM faster forward can be
+    slower forward + backward."""
     identity = (lambda y: y) if act is None else act
     forwards = {"reference": F.linear}
     op = _onednn_op()
@@ -318,6 +369,9 @@ def _linear_candidates(x, w, b, act, grad: bool) -> dict:
         out = {name: (lambda f=f: identity(f(x, w, b))) for name, f in forwards.items()}
         if "onednn_linear" in out and _fusable(act, grad, x.dtype):
             out["fused_activation"] = lambda: op(x, w, b, *_POST_OPS[type(act).__name__])
+        if pack and "onednn_linear" in out and _packs(x.dtype):  # packed once (in the warm-up call), as served
+            packed = functools.cache(lambda: _reorder_op()(w, PACK_ROWS))
+            out["packed_linear"] = lambda: _packed_gemm(x, packed(), b, act, grad)
         return out
     dy = torch.randn(*x.shape[:-1], w.size(0), generator=torch.Generator().manual_seed(1)).to(x.dtype)
 
@@ -332,14 +386,23 @@ def _linear_candidates(x, w, b, act, grad: bool) -> dict:
     return {name: step(f) for name, f in forwards.items()}
 
 
+def _packed_gemm(x, packed, b, act, grad: bool) -> torch.Tensor:  # act(x Wᵀ + b) on a packed W, the act inside
+    if _fusable(act, grad, x.dtype):  # where it can be
+        return _onednn_op()(x, packed, b, *_POST_OPS[type(act).__name__])
+    y = _onednn_op()(x, packed, b, "none", [], "")
+    return y if act is None else act(y)
+
+
 def _fusable(act, grad: bool, dtype) -> bool:  # an unhooked GELU / ReLU after a float32 GEMM in inference
     return (act is not None and not grad and dtype == torch.float32 and type(act).__name__ in _POST_OPS
             and not (act._forward_hooks or act._forward_pre_hooks))  # a hooked activation must run itself
 
 
-def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: bool = False) -> torch.Tensor | None:
+def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: bool = False,
+                  frozen: bool = False) -> torch.Tensor | None:
     """Point "linear" (and "decoder" where `skip_zero_rows`): act(x Wᵀ + b) by a kernel, or None for the reference.
-    Per call only what can change is looked at: dtype, device, plain tensors, grad mode, CPU autocast, hooks."""
+    Per call only what can change is looked at: dtype, device, plain tensors, grad mode, CPU autocast, hooks.
+    `frozen` (kernelize's): "auto" may choose "packed_linear" for inference."""
     choice = parse_setting(setting)
     w, b = layer.weight, layer.bias
     if choice == "reference" or not _plain_cpu(x, w) or x.numel() == 0:  # compiling: numel() unknown until run
@@ -348,24 +411,32 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
     dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype  # the dtype the GEMM runs in
     if dtype not in TOLERANCE or not (x.dtype == w.dtype or autocast and {x.dtype, w.dtype} <= set(TOLERANCE)):
         return None
+    xc, bc, rows = x.to(dtype), None if b is None else b.to(dtype), x.numel() // x.size(-1)
+    fusable = _fusable(act, grad, dtype)
+    if choice == "auto":
+        pack = frozen and not grad
+        key = (f"linear|cpu|{str(dtype)[6:]}|{w.size(1)}x{w.size(0)}|rows<={_bucket(rows)}"
+               f"|{'train' if grad else 'infer-frozen' if pack else 'infer'}"
+               f"|{type(act).__name__ if act is not None else 'none'}")
+        name = _CHOICES.get(key, lambda: _fastest(_linear_candidates(xc.detach(), w.detach().to(dtype), bc, act,
+                                                                     grad, pack)))
+    else:
+        name = "onednn_linear" if "onednn_linear" in choice else "reference"
+        name = "fused_activation" if "fused_activation" in choice else name
+        name = "packed_linear" if "packed_linear" in choice else name
+    if name != "reference" and not _onednn_runs(dtype):  # forced where oneDNN cannot compute in this dtype
+        name = "reference"
+    if name == "packed_linear" and (grad or not _packs(dtype)):  # training (no backward on a packed weight), or no
+        name = "onednn_linear"  # packing in this dtype here: the plain weight
+    if name == "packed_linear":
+        return _packed_gemm(xc, _packed_weight(layer, w, dtype), bc, act, grad)
+    if name == "fused_activation" and not fusable:  # a hook added since, or grad mode: the activation after the GEMM
+        name = "onednn_linear"
     cast_buffer = autocast and not grad and w.dtype != dtype  # autocast inference: the weight cast each call into a
     if cast_buffer:  # kept buffer (a fresh copy per call can cost more)
         buffers, shape = vars(_CAST_BUFFERS), (tuple(w.shape), dtype)
         wc = buffers[shape] if shape in buffers else buffers.setdefault(shape, w.new_empty(w.shape, dtype=dtype))
-    xc, bc = x.to(dtype), None if b is None else b.to(dtype)
     wc = wc.copy_(w) if cast_buffer else w.to(dtype)
-    fusable = _fusable(act, grad, dtype)
-    if choice == "auto":
-        key = (f"linear|cpu|{str(dtype)[6:]}|{w.size(1)}x{w.size(0)}|rows<={_bucket(x.numel() // x.size(-1))}"
-               f"|{'train' if grad else 'infer'}|{type(act).__name__ if act is not None else 'none'}")
-        name = _CHOICES.get(key, lambda: _fastest(_linear_candidates(xc.detach(), wc.detach(), bc, act, grad)))
-    else:
-        name = "onednn_linear" if "onednn_linear" in choice else "reference"
-        name = "fused_activation" if "fused_activation" in choice else name
-    if name != "reference" and not _onednn_runs(dtype):  # forced where oneDNN cannot compute in this dtype
-        name = "reference"
-    if name == "fused_activation" and not fusable:  # a hook added since, or grad mode: the activation after the GEMM
-        name = "onednn_linear"
     skip = skip_zero_rows and grad and (choice == "auto" or "skip_zero_rows" in choice)
     if name == "fused_activation":
         return _onednn_op()(xc, wc, bc, *_POST_OPS[type(act).__name__])
@@ -622,25 +693,27 @@ def _own(module: nn.Module) -> bool:  # a standard nn.Linear that runs its own f
     return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
 
 
-def _linear_forward(self: nn.Linear, x: torch.Tensor, *, setting, skip_zero_rows: bool = False) -> torch.Tensor:
-    y = linear_kernel(setting, self, x, None, skip_zero_rows)
+def _linear_forward(self: nn.Linear, x: torch.Tensor, *, setting, skip_zero_rows: bool = False,
+                    frozen: bool = False) -> torch.Tensor:
+    y = linear_kernel(setting, self, x, None, skip_zero_rows, frozen)
     return F.linear(x, self.weight, self.bias) if y is None else y
 
 
-def _act_linear(setting, linear: nn.Module, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _act_linear(setting, linear: nn.Module, act: nn.Module, x: torch.Tensor, frozen: bool) -> torch.Tensor:
     """act(linear(x)), the activation inside the GEMM where a kernel does it; a replaced linear runs its forward."""
     if not _own(linear):
         return act(linear(x))
-    y = linear_kernel(setting, linear, x, act)  # None: the reference, F.linear (not a second choice without `act`)
-    return act(F.linear(x, linear.weight, linear.bias)) if y is None else y
+    y = linear_kernel(setting, linear, x, act, frozen=frozen)  # None: the reference, F.linear (not a second choice
+    return act(F.linear(x, linear.weight, linear.bias)) if y is None else y  # without `act`)
 
 
-def _mlp_forward(self, hidden_states, *, setting):  # BertImplLayer.mlp: Wo(act(Wi x))
-    return self.Wo(_act_linear(setting, self.Wi, self.act, hidden_states))
+def _mlp_forward(self, hidden_states, *, setting, frozen: bool = False):  # BertImplLayer.mlp: Wo(act(Wi x))
+    return self.Wo(_act_linear(setting, self.Wi, self.act, hidden_states, frozen))
 
 
-def _lm_head_forward(self, hidden_states, *, setting):  # the MLM heads' lm_head: decoder(LN(act(dense x)))
-    return self.decoder(self.norm(_act_linear(setting, self.dense, self.act, hidden_states)))
+def _lm_head_forward(self, hidden_states, *, setting, frozen: bool = False):
+    """The MLM heads' lm_head: decoder(LN(act(dense x)))."""
+    return self.decoder(self.norm(_act_linear(setting, self.dense, self.act, hidden_states, frozen)))
 
 
 def _dropout_forward(self: nn.Dropout, x: torch.Tensor, *, setting) -> torch.Tensor:
@@ -741,15 +814,20 @@ def _ours(module: nn.Module, attribute: str = "forward"):  # the kernel function
     return fn if fn in ours else None
 
 
-def kernelize(model: nn.Module, kernels="auto", sparse_prediction: bool = False) -> nn.Module:
+def kernelize(model: nn.Module, kernels="auto", sparse_prediction: bool = False, frozen: bool = False) -> nn.Module:
     """Put the speed layer on `model` (any bert_impl model or head, loaded by the package or by trust_remote_code) and
     return it. `kernels`: "auto" (each kernel measured here, kept where it agrees with the plain model and is faster),
     "reference" (take every kernel off: the plain model), or kernel names to force (`KERNELS`, comma-separated).
     `sparse_prediction`: the MLM heads' decoder runs on labelled positions only when labels are given (logits (n, V));
-    not with "reference", which is the plain model exactly.
+    not with "reference", which is the plain model exactly. `frozen`: a served model whose weights stay as they are
+    (as in an exported or compiled graph): "auto" may then run inference on weights packed once ("packed_linear": a
+    second copy of each such weight, kept beside the model, made again when a weight changes in place, by a new
+    Parameter or by `.to()`; a write through `.data`, as peft's merge does, is not seen: call kernelize again after
+    one). Forcing "packed_linear" by name packs whatever `frozen` says.
     Parameters, buffers, config and saved files do not change; calling it again replaces the previous kernels."""
     setting = parse_setting(kernels)
     for module in model.modules():
+        _PACKED.pop(module, None)  # packed weights are made again by the new kernels, if they pack
         for attribute in ("forward", "_mlm_logits_and_loss"):
             if _ours(module, attribute) is not None:
                 delattr(module, attribute)
@@ -759,19 +837,19 @@ def kernelize(model: nn.Module, kernels="auto", sparse_prediction: bool = False)
     for module in model.modules():
         name = type(module).__name__
         if _own(module):
-            _put(module, _linear_forward, setting=setting, skip_zero_rows=id(module) in decoders)
+            _put(module, _linear_forward, setting=setting, skip_zero_rows=id(module) in decoders, frozen=frozen)
         elif type(module) is nn.Dropout:
             _put(module, _dropout_forward, setting=setting)
         elif name in _FORWARDS:
             _put(module, _FORWARDS[name], setting=setting)
         for child, fn in _CHILD_FORWARDS.items():  # the FFN of a layer, the MLM heads' prediction head
             if name.startswith("BertImpl") and type(getattr(module, child, None)) is nn.Sequential:
-                _put(getattr(module, child), fn, setting=setting)
+                _put(getattr(module, child), fn, setting=setting, frozen=frozen)
         if hasattr(type(module), "_mlm_logits_and_loss"):  # the MLM heads' loss on the labelled rows
             _put(module, _sparse_mlm_logits_and_loss if sparse_prediction else _dense_mlm_logits_and_loss,
                  "_mlm_logits_and_loss")
-    logger.info("kernelize(%s, kernels=%r, sparse_prediction=%s): %d modules", type(model).__name__, kernels,
-                sparse_prediction, len(kernelized(model)))
+    logger.info("kernelize(%s, kernels=%r, sparse_prediction=%s, frozen=%s): %d modules", type(model).__name__,
+                kernels, sparse_prediction, frozen, len(kernelized(model)))
     return model
 
 

@@ -13,8 +13,8 @@ Copy-paste commands:
         --json benchmarks/cpu-amd-zen4_base_autocast.json
     python scripts/benchmark.py --size base --threads 2 --dtype autocast --autocast_scope run --workloads fixed,mixed \
         --json benchmarks/cpu-amd-zen4_base_autocast_scope_run.json   # one autocast context around a serving loop
-    # the CPU runtimes a user would serve transformers' BERT with, beside ours, in one run
-    python scripts/benchmark.py --size base --threads 2 --against onnxruntime,openvino,compile \
+    # the CPU runtimes a user would serve transformers' BERT with, beside ours (served: --frozen), in one run
+    python scripts/benchmark.py --size base --threads 2 --frozen --against onnxruntime,openvino,compile \
         --json benchmarks/cpu-amd-zen3_base_fp32_anchors.json
 
     # ours' kernels (hf_bert_impl.kernelize(ours, kernels); default auto: each kernel point measured once per shape
@@ -165,6 +165,12 @@ class BenchmarkArguments:
                           "once per shape class on this machine), reference (the plain model alone, not kernelized) "
                           "or kernel names to force, comma-separated: " + ", ".join(KERNELS)},
     )
+    frozen: bool = field(
+        default=False,
+        metadata={"help": "hf_bert_impl.kernelize(ours, kernels, frozen=True), as a served model: its weights stay "
+                          "as they are, so auto may run inference on weights packed once (packed_linear), as the "
+                          "runtimes of --against run a converted snapshot"},
+    )
     optim: str = field(
         default="adamw_torch_fused",
         metadata={"help": "the MLM steps' optimizer, a TrainingArguments --optim name, built as Trainer builds it "
@@ -257,7 +263,7 @@ def make_optimizer(training_args: TrainingArguments, model):
 def apply_kernels(args, ours, sparse_prediction: bool):
     """`--kernels` put on ours by hf_bert_impl.kernelize (replacing what was on it); `sparse_prediction`: with labels
     the MLM decoder runs on the masked positions only. --kernels reference: every kernel taken off, the plain model."""
-    return hf_bert_impl.kernelize(ours, args.kernels, sparse_prediction=sparse_prediction)
+    return hf_bert_impl.kernelize(ours, args.kernels, sparse_prediction=sparse_prediction, frozen=args.frozen)
 
 
 def kernel_record(args, start_s: float, workload_start_s: float | None = None, model=None) -> dict:
@@ -271,7 +277,7 @@ def kernel_record(args, start_s: float, workload_start_s: float | None = None, m
     now = kernels_bert_impl.measurement_seconds()
     chosen = setting if setting == "reference" else sorted(setting) if setting != "auto" else \
         kernels_bert_impl.chosen_kernels()
-    record = {"setting": args.kernels, "chosen": chosen, "measurement_s": now - start_s}
+    record = {"setting": args.kernels, "frozen": args.frozen, "chosen": chosen, "measurement_s": now - start_s}
     if workload_start_s is not None:
         record["measurement_s_workload"] = now - workload_start_s
     if model is not None:
@@ -291,7 +297,8 @@ def describe_kernels(record: dict) -> str:
         counts[name] = counts.get(name, 0) + 1
     chosen = "; ".join(f"{point} " + ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
                        for point, counts in sorted(per_point.items()))
-    return f"auto: {chosen or 'nothing measured yet'} (measuring took {record['measurement_s']:.2f} s so far)"
+    frozen = ", frozen" if record.get("frozen") else ""
+    return f"auto{frozen}: {chosen or 'nothing measured yet'} (measuring took {record['measurement_s']:.2f} s so far)"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,10 +33,10 @@ package). Also two checks that make the race mean something:
   to `--parity_tolerance`; so the race measures the defaults, not a defect.
 
 `--sweep` runs transformers alone under each of the 8 recipes of masking 15% / 30%, dropout 0.1 / 0 and learning
-rate 5e-4 / 1e-3 for `--budget` on each seed, and writes the best (lowest mean held-out loss at the budget) into
-OUT.json, which `--opponent OUT.json` then races. Corpora: "embedded" (the Language Reference), "stdlib_docstrings",
-"fortunes" (the fortune cookie files of the fortunes package, `apt-get install fortunes` on Debian and Ubuntu:
-2.5 MB of English quotations, jokes, definitions and verse) or your text file.
+rate 5e-4 / 1e-3 (`--grid` narrows or moves it) for `--budget` on each seed, and writes the best (lowest mean
+held-out loss at the budget) into OUT.json, which `--opponent OUT.json` then races. Corpora: "embedded" (the Language
+Reference), "stdlib_docstrings", "fortunes" (the fortune cookie files of the fortunes package, `apt-get install
+fortunes` on Debian and Ubuntu: 2.5 MB of English quotations, jokes, definitions and verse) or your text file.
 
     # choose the opponent on a separate short run (a seed the race does not use), then race it for 3 minutes
     python scripts/benchmark_pretraining.py --sweep --corpus fortunes --budget 120 --evaluations 6 --seeds 100 \
@@ -228,15 +228,34 @@ def opponent_recipe(spec: str, learning_rate: float) -> dict:
             recipe[key.strip()] = float(value)
         except ValueError:
             raise ValueError(f"{item!r}: {value!r} is not a number") from None
+    return checked(recipe)
+
+
+def checked(recipe: dict) -> dict:
     if not 0 < recipe["mlm_probability"] < 1 or not 0 <= recipe["dropout"] < 1 or recipe["learning_rate"] <= 0:
         raise ValueError(f"recipe {recipe} out of range: mlm_probability in (0, 1), dropout in [0, 1), lr > 0")
     return recipe
 
 
-def sweep_recipes() -> list[dict]:
-    return [
-        dict(zip(RECIPE_KEYS, values)) for values in itertools.product(*(OPPONENT_GRID[key] for key in RECIPE_KEYS))
-    ]
+def sweep_grid(spec: str | None) -> dict:
+    """--grid: "key=v1/v2,..." over RECIPE_KEYS narrows or moves OPPONENT_GRID (a key left out keeps its values),
+    for a sweep a user would cut short (at a bigger size, say: learning_rate=5e-4/1e-3 with the rest fixed)."""
+    grid = dict(OPPONENT_GRID)
+    for item in spec.split(",") if spec else ():
+        key, sep, values = item.partition("=")
+        if not sep or key.strip() not in RECIPE_KEYS:
+            raise ValueError(f"{item!r} is not key=v1/v2 with a key in {RECIPE_KEYS}")
+        try:
+            grid[key.strip()] = tuple(dict.fromkeys(float(value) for value in values.split("/")))
+        except ValueError:
+            raise ValueError(f"{item!r}: {values!r} is not numbers separated by '/'") from None
+    for recipe in sweep_recipes(grid):
+        checked(recipe)
+    return grid
+
+
+def sweep_recipes(grid: dict = OPPONENT_GRID) -> list[dict]:
+    return [dict(zip(RECIPE_KEYS, values)) for values in itertools.product(*(grid[key] for key in RECIPE_KEYS))]
 
 
 def transformers_model(args, tokenizer, **overrides) -> BertForMaskedLM:
@@ -644,6 +663,12 @@ def parse_args(argv=None):
         "--opponent) and OUT.png",
     )
     parser.add_argument(
+        "--grid",
+        help="with --sweep: other values for some of its keys, "
+        "'mlm_probability=0.3,dropout=0,learning_rate=5e-4/1e-3' (values separated by '/'; a key left out keeps "
+        "the grid's)",
+    )
+    parser.add_argument(
         "--ablation",
         action="store_true",
         help="instead of the race: ours alone under its defaults and under each of --ablations (one pretrain_mlm.py "
@@ -707,6 +732,12 @@ def parse_args(argv=None):
         parser.error(f"--opponent: {e}")
     if args.sweep and args.opponent != "run_mlm":
         parser.error("--sweep tries every recipe: leave --opponent out")
+    if args.grid is not None and not args.sweep:
+        parser.error("--grid is --sweep's: a race trains one recipe (--opponent)")
+    try:
+        args.grid = sweep_grid(args.grid)
+    except ValueError as e:
+        parser.error(f"--grid: {e}")
     if args.sweep and args.ablation:
         parser.error("--sweep (transformers' recipes) and --ablation (ours') are separate runs: choose one")
     if not 0 <= args.finetune_dropout < 1:
@@ -861,7 +892,7 @@ def run_variants(args, head: dict, variants: list[dict], label, train, report_of
 
 
 def sweep(args, tmp: Path, blocks, held_out, tokenizer, head: dict) -> dict:
-    recipes = sweep_recipes()
+    recipes = sweep_recipes(args.grid)
 
     def report_of(rows, best):
         return {
@@ -869,7 +900,7 @@ def sweep(args, tmp: Path, blocks, held_out, tokenizer, head: dict) -> dict:
             "(15% masked) against training seconds under every recipe, the same budget",
             **head,
             "sweep": {
-                "grid": OPPONENT_GRID,
+                "grid": args.grid,
                 "best": {"recipe": best["recipe"], "mean_final_loss": best["mean_final_loss"]},
                 "recipes": rows,
             },

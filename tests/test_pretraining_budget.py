@@ -523,6 +523,30 @@ def test_opponent_recipes_parse_and_refuse_what_is_not_a_recipe(tmp_path):
         race.parse_args(["--opponent", "lr=1"])
 
 
+def test_a_sweep_grid_narrows_the_recipes_and_refuses_what_is_not_one(capsys):
+    race = load_script("benchmark_pretraining")
+    assert race.parse_args(["--sweep"]).grid == race.OPPONENT_GRID and len(race.sweep_recipes()) == 8
+    grid = race.parse_args(["--sweep", "--grid", "mlm_probability=0.3, dropout=0,learning_rate=5e-4/1e-3/5e-4"]).grid
+    assert race.sweep_recipes(grid) == [
+        {"mlm_probability": 0.3, "dropout": 0.0, "learning_rate": 5e-4},
+        {"mlm_probability": 0.3, "dropout": 0.0, "learning_rate": 1e-3},
+    ]
+    assert len(race.sweep_recipes(race.sweep_grid("dropout=0"))) == 4  # masking and lr keep both values
+    for spec, message in (
+        ("lr=1e-3", "'lr=1e-3' is not key=v1/v2 with a key in"),
+        ("dropout=0/none", "'0/none' is not numbers separated by '/'"),
+        ("mlm_probability=0.3/1.2", "out of range"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            race.sweep_grid(spec)
+    with pytest.raises(SystemExit):
+        race.parse_args(["--sweep", "--grid", "dropout=2"])
+    assert "--grid: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        race.parse_args(["--grid", "dropout=0"])
+    assert "--grid is --sweep's" in capsys.readouterr().err
+
+
 def test_a_bad_finetune_dropout_is_refused_with_its_value(capsys):
     race = load_script("benchmark_pretraining")
     assert race.parse_args([]).finetune_dropout == 0.1  # BERT's fine-tuning dropout, for both models

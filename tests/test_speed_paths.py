@@ -187,7 +187,8 @@ def _assert_bf16_within_3x_of_nn_linear(layer, x32, g32):
 
 def test_kernels_setting_is_validated_and_parsed():
     """"auto" by default; "reference"; kernel names as a string, comma-separated, or a list (forced; fused_activation
-    implies onednn_linear). The config holds no speed switch any more: old config.json fields are dropped on load."""
+    and packed_linear imply onednn_linear). The config holds no speed switch any more: old config.json fields are
+    dropped on load."""
     import inspect
 
     assert inspect.signature(kernelize).parameters["kernels"].default == "auto" and K.parse_setting("auto") == "auto"
@@ -195,8 +196,9 @@ def test_kernels_setting_is_validated_and_parsed():
     assert K.parse_setting("onednn_linear, bits_dropout") == frozenset({"onednn_linear", "bits_dropout"})
     assert K.parse_setting(["unpadded"]) == frozenset({"unpadded"})
     assert K.parse_setting("fused_activation") == frozenset({"fused_activation", "onednn_linear"})
-    assert set(K.KERNELS) == {"onednn_linear", "fused_activation", "skip_zero_rows", "bits_dropout", "unpadded",
-                              "per_sequence_attention", "grid_attention"}
+    assert K.parse_setting("packed_linear") == frozenset({"packed_linear", "onednn_linear"})
+    assert set(K.KERNELS) == {"onednn_linear", "fused_activation", "packed_linear", "skip_zero_rows", "bits_dropout",
+                              "unpadded", "per_sequence_attention", "grid_attention"}
     old = hf_bert_impl.BertImplConfig.from_preset("debug", kernels="onednn_linear", sparse_prediction=True,
                                                   onednn_linear=True, unpad_inputs=False)
     assert not {"kernels", "sparse_prediction", "onednn_linear", "unpad_inputs"} & set(old.to_dict())
@@ -413,6 +415,132 @@ def test_the_activation_stays_after_the_gemm_where_it_must(debug_config, batch, 
     # unhooked: L + 1 fused calls; hooked: L (layer 0 not)
     assert calls == ["gelu"] * (2 * model.config.num_hidden_layers + 1)
     assert (hooked - expected).abs().max().item() == 0.0  # the erf GELU fused or not: bit for bit
+
+
+needs_packing = pytest.mark.skipif(not K._packs(torch.float32),
+                                   reason="this torch build cannot reorder a float32 weight for oneDNN")
+
+
+def _spy_packing(monkeypatch) -> list:
+    """Records (weight shape, rows it is packed for) of each weight `packed_linear` reorders into oneDNN's layout."""
+    calls, reorder = [], K._reorder_op()
+    monkeypatch.setattr(K, "_reorder_op", lambda: lambda w, rows: calls.append((tuple(w.shape), rows)) or
+                        reorder(w, rows))
+    return calls
+
+
+@needs_packing
+def test_packed_linear_infers_as_the_plain_model_and_packs_each_weight_once(debug_config, batch, monkeypatch):
+    """"packed_linear" forced, float32 inference: every linear layer runs oneDNN's GEMM on its weight reordered once
+    (the activation inside, as "fused_activation"), the logits within 1e-5 of the plain model's and of
+    transformers' BertForMaskedLM; a second call packs nothing; the packed weights live beside the model: its state
+    dict, saved files and deep copies are the plain model's."""
+    from transformers import BertForMaskedLM
+
+    from hf_bert_impl.convert import to_hf_bert
+
+    torch.manual_seed(0)
+    model = _model(BertImplForMaskedLM, debug_config(), "packed_linear").eval()
+    plain = _plain(model)
+    input_ids, attention_mask, token_type_ids = batch
+    packed, fused = _spy_packing(monkeypatch), _spy_fused_activations(monkeypatch)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask, token_type_ids).logits
+        assert len(packed) == _linear_layers(model.config)  # every linear layer, once
+        assert fused == ["gelu"] * (model.config.num_hidden_layers + 1)
+        again = model(input_ids, attention_mask, token_type_ids).logits
+        assert len(packed) == _linear_layers(model.config)  # kept: nothing packed again
+        want = plain(input_ids, attention_mask, token_type_ids).logits
+        theirs = to_hf_bert(plain).eval()(input_ids, attention_mask, token_type_ids).logits
+    assert torch.equal(got, again)
+    assert (got - want).abs().max().item() <= ATOL
+    assert _max_diff_real(got, theirs, attention_mask) <= ATOL
+    state = model.state_dict()
+    assert state.keys() == plain.state_dict().keys() and all(t.layout == torch.strided for t in state.values())
+    with torch.no_grad():
+        copied = copy.deepcopy(model)(input_ids, attention_mask, token_type_ids).logits  # its own packed weights
+    assert torch.equal(copied, got) and len(packed) == 2 * _linear_layers(model.config)
+
+
+@needs_packing
+def test_packed_weights_follow_every_change_of_the_weights(debug_config, batch, monkeypatch):
+    """A packed weight is made again when its weight changes: in place (an optimizer step, load_state_dict), by a new
+    Parameter, by .to(): inference after each equals the plain model with the same change (1e-5). With grad the
+    layers run oneDNN on the plain weight (a packed one has no backward): training steps as the plain model does.
+    One packed weight per layer serves every row count; kernelize drops them."""
+    torch.manual_seed(0)
+    model = _model(BertImplForMaskedLM, debug_config(), "packed_linear").eval()
+    plain = _plain(model)
+    input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
+    packed, onednn = _spy_packing(monkeypatch), _spy_onednn_linear(monkeypatch)
+
+    def agree():
+        with torch.no_grad():
+            got = model(input_ids, attention_mask, token_type_ids).logits
+            want = plain(input_ids, attention_mask, token_type_ids).logits
+        assert (got - want).abs().max().item() <= ATOL
+
+    agree()
+    layers = _linear_layers(model.config)
+    for m in (model, plain):  # a training step, on each
+        m.train()
+        m(input_ids, attention_mask, token_type_ids, labels=labels).loss.backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.5 * p.grad
+        m.eval()
+    assert len(onednn) == layers and len(packed) == layers  # the step ran oneDNN on the plain weights, packed nothing
+    agree()
+    assert len(packed) == 2 * layers  # every weight changed: every one packed again
+    state = {k: v * 1.1 for k, v in plain.state_dict().items()}
+    model.load_state_dict(state)
+    plain.load_state_dict(state)
+    agree()
+    fresh = nn.Parameter(torch.randn_like(plain.bert.layers[0].mlp.Wi.weight))
+    model.bert.layers[0].mlp.Wi.weight = fresh
+    plain.bert.layers[0].mlp.Wi.weight = nn.Parameter(fresh.detach().clone())
+    before = len(packed)
+    agree()
+    assert len(packed) == before + 1  # only the new one
+    before = len(packed)
+    with torch.no_grad():  # other row counts: the same packed weights
+        for rows in (1, 3, 9, 17):
+            got = model(input_ids[:1, :rows], attention_mask[:1, :rows]).logits
+            assert (got - plain(input_ids[:1, :rows], attention_mask[:1, :rows]).logits).abs().max() <= ATOL
+    assert len(packed) == before and {rows for _, rows in packed} == {K.PACK_ROWS}
+    for m in (model, plain):  # a write through .data (peft's merge) bumps no version: kernelize again after one
+        m.bert.layers[1].mlp.Wo.weight.data += 0.5
+    kernelize(model, "packed_linear")
+    assert model.bert.layers[0].mlp.Wi not in K._PACKED
+    agree()
+
+
+@needs_packing
+def test_auto_packs_weights_only_for_a_frozen_model(debug_config, batch, monkeypatch, fresh_choices):
+    """"auto" measures "packed_linear" among the inference candidates only under kernelize(..., frozen=True) (a
+    promise that the weights stay as they are), under its own choice key ("infer-frozen"); not without it, and never
+    in training. Either way the logits are the plain model's (1e-5)."""
+    seen, candidates = [], K._linear_candidates
+    monkeypatch.setattr(K, "_linear_candidates", lambda *a: (lambda c: seen.append((a[4], set(c))) or c)(
+        candidates(*a)))
+    torch.manual_seed(0)
+    model = _model(BertImplForMaskedLM, debug_config(), "auto")
+    plain = _plain(model).eval()
+    input_ids, attention_mask, token_type_ids, labels = _mlm_batch(batch)
+    for frozen in (False, True):
+        kernelize(model, "auto", frozen=frozen).eval()
+        with torch.no_grad():
+            got = model(input_ids, attention_mask, token_type_ids).logits
+            want = plain(input_ids, attention_mask, token_type_ids).logits
+        assert (got - want).abs().max().item() <= ATOL
+        inference = [names for grad, names in seen if not grad]
+        assert inference and all(("packed_linear" in names) == frozen for names in inference), seen
+        seen.clear()
+    model.train()(input_ids, attention_mask, token_type_ids, labels=labels).loss.backward()  # frozen: still trains
+    assert seen and all(grad and "packed_linear" not in names for grad, names in seen)
+    keys = K.chosen_kernels()
+    assert any("|infer-frozen|" in key for key in keys) and any("|infer|" in key for key in keys)
+    _assert_valid_choices(keys, ("linear",))
 
 
 @needs_onednn_bf16
@@ -1390,9 +1518,9 @@ def run(steps=3):
 '''
 
 # The points, their candidates (names kernels= takes, or "reference") and the shape of their keys.
-_CANDIDATES = {"linear": {"reference", "onednn_linear", "fused_activation"}, "dropout": {"reference", "bits_dropout"},
-               "layout": {"per_sequence_attention", "grid_attention"}}
-_KEY = re.compile(r"(linear\|cpu\|(float32|bfloat16)\|\d+x\d+\|rows<=\d+\|(train|infer)\|\w+"
+_CANDIDATES = {"linear": {"reference", "onednn_linear", "fused_activation", "packed_linear"},
+               "dropout": {"reference", "bits_dropout"}, "layout": {"per_sequence_attention", "grid_attention"}}
+_KEY = re.compile(r"(linear\|cpu\|(float32|bfloat16)\|\d+x\d+\|rows<=\d+\|(train|infer|infer-frozen)\|\w+"
                   r"|dropout\|cpu\|(float32|bfloat16)\|numel<=\d+"
                   r"|layout\|cpu\|(float32|bfloat16)\|n<=\d+\|m<=\d+\|\d+x\d+)")
 
@@ -1445,9 +1573,9 @@ def _assert_valid_choices(chosen: dict, points=tuple(_CANDIDATES)):
 def test_auto_choices_are_recorded_and_a_fresh_process_reuses_them_bit_for_bit(fresh_choices, monkeypatch):
     """(1) "auto" measures each point once per (device, dtype, shape class) on first use: the choices name a candidate
     or "reference", per key; the record file holds exactly them, under this machine's key (the package version,
-    torch's, the CPU capability, the threads); measuring took time. (2) A fresh process reading the same record
-    measures nothing and makes the same choices, and its seeded training run with dropout gives the same losses bit for
-    bit (measuring draws nothing from the run's random stream)."""
+    torch's, the CPU capability, the threads, the kernels); measuring took time. (2) A fresh process reading the same
+    record measures nothing and makes the same choices, and its seeded training run with dropout gives the same losses
+    bit for bit (measuring draws nothing from the run's random stream)."""
     first = _auto_run(monkeypatch)
     _assert_valid_choices(first["chosen"])
     assert first["chosen"] == K.chosen_kernels() and first["seconds"] == K.measurement_seconds() > 0
@@ -1456,7 +1584,7 @@ def test_auto_choices_are_recorded_and_a_fresh_process_reuses_them_bit_for_bit(f
     assert K.cache_path() == str(fresh_choices)
     record = json.loads(fresh_choices.read_text())
     assert list(record) == [f"hf_bert_impl {hf_bert_impl.__version__}, torch {torch.__version__}, "
-                            f"{torch.backends.cpu.get_cpu_capability()}, 1 threads"]
+                            f"{torch.backends.cpu.get_cpu_capability()}, 1 threads, kernels {'/'.join(K.KERNELS)}"]
     assert record[next(iter(record))] == first["chosen"]
     again = _python(_AUTO_RUN + "\nprint(json.dumps(run()))", fresh_choices).stdout.strip().splitlines()[-1]
     again = json.loads(again)
@@ -1923,7 +2051,8 @@ def test_benchmark_script_checks_outputs_and_writes_json(tmp_path):
 
 
 def test_benchmark_against_the_serving_runtimes_in_one_run(tmp_path, monkeypatch):
-    """--against onnxruntime,openvino,compile: transformers in torch, ours (kernelized, "auto"), onnxruntime running
+    """--against onnxruntime,openvino,compile: transformers in torch, ours (kernelized, "auto", --frozen: served, as
+    the runtimes run a converted snapshot, so its inference choices are "infer-frozen" ones), onnxruntime running
     transformers' and our ONNX export, OpenVINO (f32 hint and its defaults) and torch.compile of both, in one
     interleaved run; each runner's output checked against float32 transformers first (its error and precision in the
     JSON, within its precision's tolerance), the versions recorded, every ratio (ours / runner) from the raw times,
@@ -1931,7 +2060,7 @@ def test_benchmark_against_the_serving_runtimes_in_one_run(tmp_path, monkeypatch
     monkeypatch.setenv("CI", "true")  # openvino's usage telemetry off (it writes under ~/intel outside CI)
     for module in ("openvino", "onnxruntime", "onnxscript"):
         pytest.importorskip(module)
-    result = _tiny_benchmark(tmp_path, "--against", "onnxruntime,openvino,compile", "--memory", "false")
+    result = _tiny_benchmark(tmp_path, "--against", "onnxruntime,openvino,compile", "--memory", "false", "--frozen")
     anchors = result["backends"]["anchors"]
     runners = {"transformers", "ours", "onnxruntime_transformers", "onnxruntime_ours", "openvino_f32",
                "openvino_default", "transformers_compile", "ours_compile"}
@@ -1943,6 +2072,8 @@ def test_benchmark_against_the_serving_runtimes_in_one_run(tmp_path, monkeypatch
         assert runners == {tag for tag in row if isinstance(row[tag], dict) and "times_s" in row[tag]}, sorted(row)
         _assert_row_follows_from_its_times(row, "transformers", result["matmul_peak_flops"]["best"])
         assert row["ours_kernels"]["setting"] == "auto" and row["ours_kernels"]["kernelized"]["_encoder_forward"] == 1
+        assert row["ours_kernels"]["frozen"] is True
+        assert any("|infer-frozen|" in key for key in row["ours_kernels"]["chosen"])
         for tag in runners - {"ours"}:
             ratio = statistics.median(a / b for a, b in zip(row[tag]["times_s"], row["ours"]["times_s"]))
             assert row[f"ours_vs_{tag}_median"] == pytest.approx(ratio, rel=1e-9)
