@@ -719,7 +719,10 @@ def _export_onnx_module():
 
 def onnx_sessions(hf, ours, threads: int, workdir: str) -> dict:
     """transformers' BertModel and ours, each exported to ONNX (torch's dynamo exporter, dynamic batch
-    and sequence) and loaded in onnxruntime with every graph optimisation, `threads` intra-op threads."""
+    and sequence) and loaded in onnxruntime with every graph optimisation, `threads` intra-op threads that do not
+    spin after a call: spinning ones (onnxruntime's default) slow whichever runner is timed next in the interleaved
+    rounds (OpenVINO: 44.7 ms instead of 26.7 for one 16-token bert-base request, AMD EPYC Zen 3), and cost
+    onnxruntime itself 25.5 -> 26.7 ms there when turned off."""
     import onnxruntime as ort
 
     exporter = _export_onnx_module()
@@ -738,6 +741,7 @@ def onnx_sessions(hf, ours, threads: int, workdir: str) -> dict:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return {name: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
             for name, path in (("onnxruntime_transformers", hf_path), ("onnxruntime_ours", ours_path))}
 
