@@ -434,7 +434,7 @@ def test_packed_linear_infers_as_the_plain_model_and_packs_each_weight_once(debu
     """"packed_linear" forced, float32 inference: every linear layer runs oneDNN's GEMM on its weight reordered once
     (the activation inside, as "fused_activation"), the logits within 1e-5 of the plain model's and of
     transformers' BertForMaskedLM; a second call packs nothing; the packed weights live beside the model: its state
-    dict, saved files and deep copies are the plain model's."""
+    dict (what save_pretrained writes) holds the plain tensors, and a deep copy packs its own."""
     from transformers import BertForMaskedLM
 
     from hf_bert_impl.convert import to_hf_bert
@@ -464,8 +464,8 @@ def test_packed_linear_infers_as_the_plain_model_and_packs_each_weight_once(debu
 
 @needs_packing
 def test_packed_weights_follow_every_change_of_the_weights(debug_config, batch, monkeypatch):
-    """A packed weight is made again when its weight changes: in place (an optimizer step, load_state_dict), by a new
-    Parameter, by .to(): inference after each equals the plain model with the same change (1e-5). With grad the
+    """A packed weight is made again when its weight changes: in place (an optimizer step, load_state_dict) or by a
+    new Parameter: inference after each equals the plain model with the same change (1e-5). With grad the
     layers run oneDNN on the plain weight (a packed one has no backward): training steps as the plain model does.
     One packed weight per layer serves every row count; kernelize drops them."""
     torch.manual_seed(0)
