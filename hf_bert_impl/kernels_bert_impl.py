@@ -263,11 +263,16 @@ _POST_OPS = {"GELUActivation": ("gelu", [], "none"), "GELUTanh": ("gelu", [], "t
 _ONEDNN_RUNS: dict = {}  # dtype -> whether oneDNN's op runs here and reproduces F.linear (asked at first use)
 
 
+def _reproduces_linear(dtype, gemm) -> bool:  # gemm(x, w, b) on small seeded inputs of `dtype` gives F.linear's
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 8), (3, 8), (3,)))
+    return _try_agrees(lambda: gemm(x, w, b), F.linear(x, w, b))
+
+
 def _onednn_runs(dtype) -> bool:
     if dtype not in _ONEDNN_RUNS:
-        op, g = _onednn_op(), torch.Generator().manual_seed(0)
-        x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 8), (3, 8), (3,)))
-        _ONEDNN_RUNS[dtype] = op is not None and _try_agrees(lambda: op(x, w, b, "none", [], ""), F.linear(x, w, b))
+        op = _onednn_op()
+        _ONEDNN_RUNS[dtype] = op is not None and _reproduces_linear(dtype, lambda x, w, b: op(x, w, b, "none", [], ""))
     return _ONEDNN_RUNS[dtype]
 
 
@@ -285,11 +290,9 @@ def _reorder_op():
 
 def _packs(dtype) -> bool:
     if dtype not in _PACKS:
-        g = torch.Generator().manual_seed(0)
-        x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 8), (3, 8), (3,)))
         reorder = _reorder_op()
-        _PACKS[dtype] = reorder is not None and _onednn_runs(dtype) and _try_agrees(
-            lambda: _onednn_op()(x, reorder(w, 8), b, "none", [], ""), F.linear(x, w, b))
+        _PACKS[dtype] = reorder is not None and _onednn_runs(dtype) and _reproduces_linear(
+            dtype, lambda x, w, b: _onednn_op()(x, reorder(w, 8), b, "none", [], ""))
     return _PACKS[dtype]
 
 
