@@ -44,10 +44,11 @@ by this package's version, torch's, the CPU capability, the thread count and the
 under a file lock that is given up after `LOCK_TIMEOUT_S` (the choices are then made and kept in memory): the processes
 of one machine and later seeded runs make the same choices. `chosen_kernels()` returns them; the logger
 "hf_bert_impl.kernels" says each one; `kernelized(model)` lists the modules and their kernels. The linear and dropout
-kernels run on plain CPU tensors outside torch.compile, export and tracing (there the reference runs); the unpadded
+kernels run on plain CPU tensors outside torch.compile, export and tracing (there the reference runs), except that
+under torch.compile inference's linear layers run oneDNN's GEMM as one op of the graph (`onednn_linear`); the unpadded
 layout runs on accelerators too (a compact grid, or flash-attention's varlen arguments), and under torch.compile where
 dynamo is set to capture data-dependent sizes (`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the
-layers on the real tokens, attention on the padded grid; otherwise the compiled model is the plain one).
+layers on the real tokens, attention on the padded grid; otherwise the padded batch, as the plain model runs it).
 """
 
 import functools
@@ -65,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from huggingface_hub import constants
 from torch import nn
+from transformers import activations
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -314,6 +316,73 @@ def _packed_weight(layer: nn.Module, w: torch.Tensor, dtype) -> torch.Tensor:
     return entry[2]
 
 
+@torch.library.custom_op("hf_bert_impl::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(x Wᵀ + b) by oneDNN's GEMM, `activation` ("none" or an activation class of `_POST_OPS`) inside it: the
+    "linear" point in a torch.compile graph, one op that inductor calls as it is (it lowers oneDNN's own op only on
+    frozen weights, and otherwise emits its GEMM and a separate activation kernel)."""
+    return _onednn_op()(x, weight, bias, *_POST_OPS.get(activation, ("none", [], "")))
+
+
+@onednn_linear.register_fake
+def _(x, weight, bias, activation):
+    return x.new_empty((*x.shape[:-1], weight.size(0)))
+
+
+@torch.compiler.assume_constant_result  # asked on real tensors once while tracing, a constant of the graph
+def _onednn_runs_traced(dtype) -> bool:
+    return _onednn_runs(dtype)
+
+
+TRACED_ROWS = 1024  # the shape class "auto" takes for a compiled linear layer: its row count is often a size of the
+# graph known only when it runs (the real tokens of a padded batch; dynamic shapes); 8 x 128 tokens, the benchmark's
+
+
+@torch.compiler.assume_constant_result  # measured on real tensors once while tracing, a constant of the graph
+def _traced_choice(out_in: tuple, dtype, act: str, bias: bool, rows: int) -> str:
+    """"auto"'s choice for an inference linear layer (weight (out, in), `act` its activation's class name or "none")
+    inside a torch.compile graph: the eager choice of that (dtype, shape class, activation), from this process or the
+    record, else measured as eager measures it, on seeded random inputs of that shape (timing does not depend on the
+    values; the candidates are checked against F.linear on them)."""
+    key = f"linear|cpu|{str(dtype)[6:]}|{out_in[1]}x{out_in[0]}|rows<={_bucket(rows)}|infer|{act}"
+
+    def measure():
+        g = torch.Generator().manual_seed(0)
+        x, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((rows, out_in[1]), out_in))
+        b = torch.randn(out_in[0], generator=g).to(dtype) if bias else None
+        fusable = act in _POST_OPS  # measured with it (the GEMM with it inside a candidate); other activations
+        cls = (nn.ReLU if act == "ReLU" else getattr(activations, act)) if fusable else None  # run after any GEMM
+        return _fastest(_linear_candidates(x, w, b, cls() if cls is not None else None, False))
+    return _CHOICES.get(key, measure)
+
+
+def _traced_linear(choice, layer, x: torch.Tensor, act) -> torch.Tensor | None:
+    """The "linear" point while torch.compile traces (not exports): inference on plain CPU tensors in the weight's
+    dtype runs `onednn_linear` (the activation inside it for "fused_activation") where the choice is oneDNN's, and
+    None, inductor's code, otherwise. "auto" cannot time inside a trace: `_traced_choice` asks eager's choice (or
+    measures it) outside the graph, for the shape class of TRACED_ROWS rows whatever the call's (dynamo can pass
+    no row count that is a size of the graph to it). No packed weights: a graph's weights are its inputs
+    ("packed_linear" runs as fused_activation)."""
+    w, b = layer.weight, layer.bias
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.dtype != w.dtype or x.dtype not in TOLERANCE:
+        return None
+    if not (type(x) is torch.Tensor and type(w) in (torch.Tensor, nn.Parameter) and x.device.type == "cpu"):
+        return None
+    if not _onednn_runs_traced(x.dtype):
+        return None
+    if choice == "auto":
+        act_name = type(act).__name__ if act is not None else "none"
+        name = _traced_choice(tuple(w.shape), x.dtype, act_name, b is not None, TRACED_ROWS)
+    else:
+        name = "fused_activation" if choice & {"fused_activation", "packed_linear"} else "onednn_linear"
+        name = name if "onednn_linear" in choice else "reference"  # (forcing either of those forces it)
+    if name == "reference":
+        return None
+    fuse = name in ("fused_activation", "packed_linear") and _fusable(act, False, x.dtype)
+    y = onednn_linear(x, w, b, type(act).__name__ if fuse else "none")
+    return y if act is None or fuse else act(y)
+
+
 def _gemm(x, weight, bias, onednn: bool):  # x Wᵀ + b
     return _onednn_op()(x, weight, bias, "none", [], "") if onednn else F.linear(x, weight, bias)
 
@@ -407,6 +476,8 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
     Per call only what can change is looked at: dtype, device, plain tensors, grad mode, CPU autocast, hooks.
     `frozen` (kernelize's): "auto" may choose "packed_linear" for inference."""
     choice = parse_setting(setting)
+    if choice != "reference" and torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting():
+        return _traced_linear(choice, layer, x, act)
     w, b = layer.weight, layer.bias
     if choice == "reference" or not _plain_cpu(x, w) or x.numel() == 0:  # compiling: numel() unknown until run
         return None

@@ -1898,9 +1898,9 @@ def fresh_dynamo():
 
 @pytest.mark.parametrize("setting", ["auto", ",".join(K.KERNELS)])
 def test_compile_fullgraph_fixed_shape_matches_eager(debug_config, batch, fresh_dynamo, setting):
-    """A kernelized model under torch.compile: fullgraph=True turns any graph break into an error (the kernel points
-    answer None while compiling, whatever kernels= says); the eager backend keeps the test fast (the graph capture,
-    where breaks happen, is the same for every backend)."""
+    """A kernelized model under torch.compile: fullgraph=True turns any graph break into an error (while compiling
+    the kernel points answer None or, for inference's linear layers, one op of the graph); the eager backend keeps
+    the test fast (the graph capture, where breaks happen, is the same for every backend)."""
     torch.manual_seed(0)
     model = _model(BertImplForMaskedLM, debug_config(), setting).eval()
     input_ids, attention_mask, token_type_ids = batch
@@ -1980,6 +1980,79 @@ def test_compile_keeps_the_unpadded_layout_where_dynamo_captures_data_dependent_
             assert _max_diff_real(got, model(ids, attention_mask=mask).last_hidden_state, mask) <= ATOL, lengths
     assert len(graphs) == 1 and not fresh_dynamo["graph_break"]
     assert any("nonzero" in str(node.target) for node in graphs[0].graph.nodes) == captures
+
+
+def _traced_linears(model, call, grad: bool = False) -> tuple[list, object]:
+    """The hf_bert_impl::onednn_linear nodes (their activation argument) of the one graph dynamo captures of `model`
+    running `call(compiled)`, and what that call returned."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.set_grad_enabled(grad):
+        out = call(torch.compile(model, fullgraph=True, backend=backend))
+    assert len(graphs) == 1
+    return [node.args[3] for node in graphs[0].graph.nodes if "onednn_linear" in str(node.target)], out
+
+
+@pytest.mark.parametrize("setting,winner", [("auto", "onednn_linear"), ("auto", "fused_activation"),
+                                            ("auto", "reference"), ("fused_activation", None),
+                                            ("onednn_linear", None), ("reference", None)])
+def test_compiled_inference_runs_the_linear_kernel_as_one_op_of_the_graph(debug_config, batch, fresh_dynamo,
+                                                                          fresh_choices, monkeypatch, setting, winner):
+    """Under torch.compile, inference's linear layers run oneDNN's GEMM as one op of the graph where it is chosen
+    (forced, or "auto"'s eager choice, measured outside the graph while tracing: here its timing rigged so that
+    `winner` wins where it is a candidate), the activation inside it for fused_activation, and where oneDNN runs and
+    reproduces F.linear here: the outputs of eager at every real token, no graph break. "reference", training and
+    autocast leave them to the compiler (the plain model's F.linear)."""
+    if winner is not None:
+        monkeypatch.setattr(K, "_fastest", lambda candidates, reference="reference": winner
+                            if winner in candidates else "onednn_linear" if "onednn_linear" in candidates else reference)
+    torch.manual_seed(0)
+    config = debug_config()
+    model = _model(BertImplForMaskedLM, config, setting).eval()
+    input_ids, attention_mask, token_type_ids = batch
+    inputs = dict(attention_mask=attention_mask, token_type_ids=token_type_ids)
+    ops, got = _traced_linears(model, lambda compiled: compiled(input_ids, **inputs).logits)
+    with torch.no_grad():
+        want = model(input_ids, **inputs).logits
+    assert _max_diff_real(got, want, attention_mask) <= ATOL
+    assert not fresh_dynamo["graph_break"]
+    if "reference" in (setting, winner) or not K._onednn_runs(torch.float32):
+        assert ops == []
+    else:  # each layer's Wqkv, Wo, Wi, Wo, the MLM head's dense and decoder; GELU inside Wi and dense where chosen
+        fused = [op for op in ops if op != "none"]
+        assert len(ops) == _linear_layers(config)
+        assert fused == (["GELUActivation"] * (config.num_hidden_layers + 1) if "fused_activation" in (setting, winner)
+                         else [])
+    if setting == "auto":  # the choices were made once, under eager's keys (a compiled graph's rows: TRACED_ROWS)
+        linear = [key for key in K.chosen_kernels() if key.startswith("linear")]
+        assert linear and all(key.split("|")[-2] == "infer" for key in linear)
+        assert any(f"|rows<={K.TRACED_ROWS}|" in key for key in linear)  # the eager batch's 91 rows: class 128
+    torch._dynamo.reset()
+    train_ops, _ = _traced_linears(model.train(), lambda compiled: compiled(input_ids, **inputs).logits, grad=True)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_ops, _ = _traced_linears(model.eval(), lambda compiled: compiled(input_ids, **inputs).logits)
+    assert train_ops == [] and autocast_ops == []
+
+
+def test_the_linear_op_matches_f_linear_and_traces_on_fake_tensors():
+    """hf_bert_impl::onednn_linear: F.linear's output (and act(F.linear) with an activation inside), and the shape of
+    its fake (meta) form, which torch.compile traces with; torch.library's own checks of a custom op pass."""
+    if not K._onednn_runs(torch.float32):
+        pytest.skip("oneDNN's GEMM does not run here (the op is then never put in a graph)")
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 5, 8, generator=g), torch.randn(3, 8, generator=g), torch.randn(3, generator=g)
+    assert (K.onednn_linear(x, w, b, "none") - F.linear(x, w, b)).abs().max().item() <= ATOL
+    assert (K.onednn_linear(x, w, None, "ReLU") - F.linear(x, w).relu()).abs().max().item() <= ATOL
+    gelu = (K.onednn_linear(x, w, b, "GELUActivation") - F.gelu(F.linear(x, w, b))).abs().max().item()
+    assert gelu <= ATOL
+    torch.library.opcheck(K.onednn_linear, (x, w, b, "none"))
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        assert K.onednn_linear(mode.from_tensor(x), mode.from_tensor(w), None, "none").shape == (2, 5, 3)
 
 
 # ---------------------------------------------------------------------------------------------
