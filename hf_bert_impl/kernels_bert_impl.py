@@ -45,10 +45,11 @@ under a file lock that is given up after `LOCK_TIMEOUT_S` (the choices are then 
 of one machine and later seeded runs make the same choices. `chosen_kernels()` returns them; the logger
 "hf_bert_impl.kernels" says each one; `kernelized(model)` lists the modules and their kernels. The linear and dropout
 kernels run on plain CPU tensors outside torch.compile, export and tracing (there the reference runs), except that
-under torch.compile inference's linear layers run oneDNN's GEMM as one op of the graph (`onednn_linear`); the unpadded
-layout runs on accelerators too (a compact grid, or flash-attention's varlen arguments), and under torch.compile where
-dynamo is set to capture data-dependent sizes (`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the
-layers on the real tokens, attention on the padded grid; otherwise the padded batch, as the plain model runs it).
+under torch.compile inference's linear layers keep the GEMM "auto" chose, oneDNN's as one op (`onednn_linear`); the
+unpadded layout runs on accelerators too (a compact grid, or flash-attention's varlen arguments), and under
+torch.compile where dynamo is set to capture data-dependent sizes
+(`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the layers on the real tokens, attention on the padded
+grid; otherwise the padded batch, as the plain model runs it).
 """
 
 import functools
@@ -335,7 +336,7 @@ def _onednn_runs_traced(dtype) -> bool:
 
 
 TRACED_ROWS = 1024  # the shape class "auto" takes for a compiled linear layer: its row count is often a size of the
-# graph known only when it runs (the real tokens of a padded batch; dynamic shapes); 8 x 128 tokens, the benchmark's
+# graph known only when it runs (the real tokens of a padded batch; dynamic shapes). 8 x 128 tokens
 
 
 @torch.compiler.assume_constant_result  # measured on real tensors once while tracing, a constant of the graph
