@@ -317,6 +317,10 @@ def _packed_weight(layer: nn.Module, w: torch.Tensor, dtype) -> torch.Tensor:
     return entry[2]
 
 
+def _linear_key(dtype, out_in: tuple, rows: int, mode: str, act: str) -> str:  # the "linear" point's choice key
+    return f"linear|cpu|{str(dtype)[6:]}|{out_in[1]}x{out_in[0]}|rows<={_bucket(rows)}|{mode}|{act}"
+
+
 @torch.library.custom_op("hf_bert_impl::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """act(x Wᵀ + b) by oneDNN's GEMM, `activation` ("none" or an activation class of `_POST_OPS`) inside it: the
@@ -345,7 +349,7 @@ def _traced_choice(out_in: tuple, dtype, act: str, bias: bool, rows: int) -> str
     inside a torch.compile graph: the eager choice of that (dtype, shape class, activation), from this process or the
     record, else measured as eager measures it, on seeded random inputs of that shape (timing does not depend on the
     values; the candidates are checked against F.linear on them)."""
-    key = f"linear|cpu|{str(dtype)[6:]}|{out_in[1]}x{out_in[0]}|rows<={_bucket(rows)}|infer|{act}"
+    key = _linear_key(dtype, out_in, rows, "infer", act)
 
     def measure():
         g = torch.Generator().manual_seed(0)
@@ -490,9 +494,8 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
     fusable = _fusable(act, grad, dtype)
     if choice == "auto":
         pack = frozen and not grad
-        key = (f"linear|cpu|{str(dtype)[6:]}|{w.size(1)}x{w.size(0)}|rows<={_bucket(rows)}"
-               f"|{'train' if grad else 'infer-frozen' if pack else 'infer'}"
-               f"|{type(act).__name__ if act is not None else 'none'}")
+        key = _linear_key(dtype, tuple(w.shape), rows, "train" if grad else "infer-frozen" if pack else "infer",
+                          type(act).__name__ if act is not None else "none")
         name = _CHOICES.get(key, lambda: _fastest(_linear_candidates(xc.detach(), w.detach().to(dtype), bc, act,
                                                                      grad, pack)))
     else:
