@@ -48,8 +48,9 @@ kernels run on plain CPU tensors outside torch.compile, export and tracing (ther
 under torch.compile inference's linear layers keep the GEMM "auto" chose, oneDNN's as one op (`onednn_linear`); the
 unpadded layout runs on accelerators too (a compact grid, or flash-attention's varlen arguments), and under
 torch.compile where dynamo is set to capture data-dependent sizes
-(`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the layers on the real tokens, attention on the padded
-grid; otherwise the padded batch, as the plain model runs it).
+(`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the layers on the real tokens; in inference (no
+gradients) on a CPU with SDPA attention, attention laid out as in eager inside one op, `varlen_attention`, elsewhere on
+the padded grid; otherwise the padded batch, as the plain model runs it).
 """
 
 import functools
@@ -590,10 +591,12 @@ class TokenMap:
     grid_index: torch.Tensor | None = None
     seq_lengths: tuple[int, ...] | None = None
     attention_kwargs: dict = field(default_factory=dict)
+    lengths: torch.Tensor | None = None
+    layout: str = "auto"
 
     @property
     def unpadded(self) -> bool:  # the layers run on fewer (or packed) tokens than the padded batch
-        layout = (self.indices, self.seq_lengths, self.grid_index)
+        layout = (self.indices, self.seq_lengths, self.grid_index, self.lengths)
         return any(t is not None for t in layout) or bool(self.attention_kwargs)
 
     def gather(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -623,12 +626,59 @@ def _sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return first.nonzero().squeeze(1)
 
 
+def _grid_of(lengths_t: torch.Tensor, lengths: list[int], dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sequences of `lengths` (their tensor `lengths_t`, (n,)), one after another, as a grid of n rows of m = the
+    longest: each token's slot in it, (T,), and the grid's additive padding mask (n, 1, 1, m) (None: no padding)."""
+    n, total, m = len(lengths), sum(lengths), max(max(lengths), 1)
+    device = lengths_t.device
+    seq = torch.repeat_interleave(torch.arange(n, device=device), lengths_t, output_size=total)  # (T,) its sequence
+    starts = F.pad(lengths_t.cumsum(0), (1, 0))  # (n + 1,)
+    slot = torch.arange(total, device=device) - starts[seq]  # (T,) its place in that sequence
+    valid = torch.arange(m, device=device)[None, :] < lengths_t[:, None]  # (n, m)
+    return seq * m + slot, None if min(lengths) == m else _additive_mask(valid, dtype)
+
+
+@torch.library.custom_op("hf_bert_impl::varlen_attention", mutates_args=())
+def varlen_attention(qkv: torch.Tensor, lengths: torch.Tensor, heads: int, scaling: float,
+                     layout: str) -> torch.Tensor:
+    """Attention of each sequence over its own tokens alone, softmax(QKᵀ·scaling) V by SDPA: qkv (1, T, 3H) of n
+    sequences one after another, `lengths` (n,) theirs (summing to T) -> (1, T, h, d). Per sequence or as a masked
+    grid, as `layout` says ("auto": the "layout" point's choice for these lengths, as in eager). The attention of a
+    torch.compile graph of the unpadded layout: one op that reads the lengths when it runs, so no size of the graph
+    depends on them."""
+    d = qkv.size(-1) // (3 * heads)
+    sizes = lengths.tolist()
+    real = [n for n in sizes if n]
+    if not real:
+        return qkv.new_empty(1, 0, heads, d)
+    if _layout_kernel(layout, real, heads, d, qkv.dtype) == "per_sequence_attention":
+        parts = [part.unflatten(-1, (3, heads, d)).permute(2, 0, 3, 1, 4)  # q, k, v: (1, h, n, d)
+                 for part, n in zip(qkv.split(sizes, 1), sizes) if n]
+        return torch.cat([F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2) for q, k, v in parts],
+                         1)
+    index, mask = _grid_of(torch.tensor(real, device=qkv.device), real, qkv.dtype)
+    n, m = len(real), max(real)
+    grid = qkv.new_zeros(n * m, qkv.size(-1)).index_copy(0, index, qkv.view(-1, qkv.size(-1)))  # (n*m, 3H)
+    q, k, v = grid.view(n, m, 3, heads, d).permute(2, 0, 3, 1, 4)  # each (n, h, m, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling).transpose(1, 2)  # (n, m, h, d)
+    return out.reshape(n * m, heads, d).index_select(0, index).unsqueeze(0)
+
+
+@varlen_attention.register_fake
+def _(qkv, lengths, heads, scaling, layout):
+    return qkv.new_empty(1, qkv.size(1), heads, qkv.size(-1) // (3 * heads))
+
+
+def _forced_layout(choice) -> str:  # a forced setting's layout: the grid where it alone of the two is named
+    grid = "grid_attention" in choice and "per_sequence_attention" not in choice
+    return "grid_attention" if grid else "per_sequence_attention"
+
+
 def _layout_kernel(choice, lengths: list[int], heads: int, head_dim: int, dtype) -> str:
     """"per_sequence_attention" or "grid_attention" for sequences of `lengths`: forced, or the faster of the two on
     random q, k, v of these shapes (both give the padded reference's numbers, tested)."""
     if choice != "auto":
-        grid = "grid_attention" in choice and "per_sequence_attention" not in choice
-        return "grid_attention" if grid else "per_sequence_attention"
+        return _forced_layout(choice)
     n, m = len(lengths), max(lengths)
     key = f"layout|cpu|{str(dtype)[6:]}|n<={_bucket(n)}|m<={_bucket(m)}|{heads}x{head_dim}"
 
@@ -644,7 +694,8 @@ def _layout_kernel(choice, lengths: list[int], heads: int, head_dim: int, dtype)
     return _CHOICES.get(key, measure)
 
 
-def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape, dtype, kwargs) -> TokenMap | None:
+def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape, dtype, kwargs,
+                     training: bool = False) -> TokenMap | None:
     """Point "layout": the map of the real tokens of a padded batch or a packed row (b == 1, sequences restarting at
     position id 0, or DataCollatorWithFlattening's cu_seq_lens_q); a mask without padding gives the batch as its own
     unmasked grid (the mask read once); None: the padded batch, masked by the model (the reference)."""
@@ -655,7 +706,12 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
     if choice == "reference" or (choice != "auto" and not choice & layouts):
         return None
     if torch.compiler.is_compiling():
-        return _traced_token_map(attention_mask, batch_shape, dtype) if impl in ("eager", "sdpa") else None
+        if impl not in ("eager", "sdpa"):
+            return None
+        op = impl == "sdpa" and not training and not torch.is_grad_enabled() and not torch.compiler.is_exporting() \
+            and attention_mask is not None and attention_mask.device.type == "cpu"
+        layout = None if not op else "auto" if choice == "auto" else _forced_layout(choice)
+        return _traced_token_map(attention_mask, batch_shape, dtype, layout)
     if not (impl in ("eager", "sdpa") or flash):
         return None
     b, s = batch_shape
@@ -685,8 +741,8 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
     total, m = sum(lengths), max(max(lengths), 1)
-    cu_seqlens = F.pad(lengths_t.cumsum(0), (1, 0)).int()  # (n + 1,)
     if flash:
+        cu_seqlens = F.pad(lengths_t.cumsum(0), (1, 0)).int()  # (n + 1,)
         fkw = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": m, "max_length_k": m}
         return TokenMap((b, s), (1, total), indices=indices, attention_kwargs=fkw)
     device, real = lengths_t.device, [n for n in lengths if n]
@@ -694,12 +750,8 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
     if total and device.type == "cpu" and _layout_kernel(choice, real, heads, config.hidden_size // heads, dtype) == \
             "per_sequence_attention":
         return TokenMap((b, s), (1, total), indices=indices, seq_lengths=tuple(real))
-    n = len(lengths)
-    seq = torch.repeat_interleave(torch.arange(n, device=device), lengths_t, output_size=total)  # (T,) its sequence
-    slot = torch.arange(total, device=device) - cu_seqlens[seq]  # (T,) its place in that sequence
-    valid = torch.arange(m, device=device)[None, :] < lengths_t[:, None]  # (n, m)
-    mask = None if min(lengths) == m else _additive_mask(valid, dtype)  # (n, 1, 1, m)
-    return TokenMap((b, s), (n, m), mask, indices=indices, grid_index=seq * m + slot)
+    grid_index, mask = _grid_of(lengths_t, lengths, dtype)
+    return TokenMap((b, s), (len(lengths), m), mask, indices=indices, grid_index=grid_index)
 
 
 @torch.compiler.assume_constant_result  # read once while tracing, a constant of the graph
@@ -709,16 +761,20 @@ def _captures_dynamic_shapes() -> bool:
     return bool(torch._dynamo.config.capture_dynamic_output_shape_ops)
 
 
-def _traced_token_map(attention_mask, batch_shape, dtype) -> TokenMap | None:
+def _traced_token_map(attention_mask, batch_shape, dtype, layout: str | None) -> TokenMap | None:
     """The "layout" point while torch.compile traces: the real tokens of a padded batch, their count a size of the
     graph known only when it runs, where dynamo is set to capture such ops (`torch._dynamo.config.
-    capture_dynamic_output_shape_ops = True`); attention on the padded batch as the grid (n, m) = (b, s), masked.
-    None otherwise: the padded batch (a data-dependent size would break the graph)."""
+    capture_dynamic_output_shape_ops = True`). Attention as one op (`varlen_attention`, laid out by `layout`: "auto"
+    or a forced layout) that reads the lengths when it runs; with no `layout` (training or gradients on: the op has
+    no backward; export; the "eager" attention: the formula's own code), on the padded batch as the grid (n, m) =
+    (b, s), masked. None otherwise: the padded batch (a data-dependent size would break the graph)."""
     if attention_mask is None or not _captures_dynamic_shapes():
         return None
     keep = attention_mask.bool()  # (b, s)
     indices = keep.flatten().nonzero().squeeze(1)  # (T,) row-major
     shape = tuple(batch_shape)
+    if layout is not None:
+        return TokenMap(shape, (1, indices.size(0)), indices=indices, lengths=keep.sum(1), layout=layout)
     return TokenMap(shape, shape, _additive_mask(keep, dtype), indices=indices, grid_index=indices)
 
 
@@ -741,6 +797,8 @@ def attention_kernel(setting, module, qkv: torch.Tensor, tokens: TokenMap | None
     Returns (out (b, s, h, d) or (1, T, h, d), probs)."""
     p = module.attention_dropout if module.training else 0.0
     h, d = module.num_heads, module.head_dim
+    if tokens is not None and tokens.lengths is not None:  # traced, in inference: one op
+        return varlen_attention(qkv, tokens.lengths, h, module.scaling, tokens.layout), None
     if tokens is None:
         n, m, extra = qkv.size(0), qkv.size(1), {}
     else:
@@ -825,7 +883,7 @@ def _encoder_forward(self, input_ids=None, attention_mask=None, token_type_ids=N
     plain._check_inputs(self.config, *args)
     shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
     dtype = self.embeddings.word_embeddings.weight.dtype if inputs_embeds is None else inputs_embeds.dtype
-    tokens = token_map_kernel(setting, self.config, attention_mask, position_ids, shape, dtype, kwargs)
+    tokens = token_map_kernel(setting, self.config, attention_mask, position_ids, shape, dtype, kwargs, self.training)
     if tokens is None:
         return type(self).forward(self, *args, **kwargs)
     return_dict = kwargs.pop("return_dict", None)

@@ -1955,15 +1955,19 @@ def test_compile_dynamic_does_not_recompile_per_length(debug_config, fresh_dynam
     assert fresh_dynamo["stats"]["unique_graphs"] == 1
 
 
-@pytest.mark.parametrize("captures", [True, False], ids=["captures_sizes", "default"])
+@pytest.mark.parametrize("captures,attention", [(True, "sdpa"), (True, "eager"), (False, "sdpa")],
+                         ids=["captures_sizes", "captures_sizes_eager_attention", "default"])
 def test_compile_keeps_the_unpadded_layout_where_dynamo_captures_data_dependent_sizes(debug_config, fresh_dynamo,
-                                                                                      captures):
+                                                                                      captures, attention):
     """torch.compile (not fullgraph) of a kernelized model: with dynamo's capture_dynamic_output_shape_ops the layers
-    run on the real tokens (the graph holds the nonzero that finds them; their count a size known only at run time),
-    otherwise the plain model's padded graph; either way one graph, no break, no recompile when the padding changes,
-    and the outputs of eager at every real token."""
+    run on the real tokens (the graph holds the nonzero that finds them; their count a size known only at run time)
+    and, with SDPA attention, attend per sequence through one op (hf_bert_impl::varlen_attention, which reads the
+    lengths when it runs; "eager" attention runs the formula on the padded grid), otherwise the plain model's padded
+    graph; either way one graph, no break, no recompile when the padding changes (a row of padding alone included),
+    and the outputs of eager at every real token. With gradients on, a second graph without the op (it has no
+    backward), through which backward runs."""
     torch.manual_seed(0)
-    model = _model(BertImplModel, debug_config(), "auto").eval()
+    model = _model(BertImplModel, debug_config(attn_implementation=attention), "auto").eval()
     graphs = []
 
     def backend(gm, example_inputs):  # dynamo's graphs, run as traced
@@ -1973,13 +1977,19 @@ def test_compile_keeps_the_unpadded_layout_where_dynamo_captures_data_dependent_
     compiled = torch.compile(model, backend=backend)
     ids = torch.randint(1, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=captures):
-        for i, lengths in enumerate([(10, 4, 7), (2, 10, 9), (10, 10, 10)]):
+        for i, lengths in enumerate([(10, 4, 7), (2, 10, 9), (10, 10, 10), (0, 3, 10)]):
             mask = (torch.arange(10)[None] < torch.tensor(lengths)[:, None]).long()
             with torch._dynamo.config.patch(error_on_recompile=i > 0):
                 got = compiled(ids, attention_mask=mask).last_hidden_state
             assert _max_diff_real(got, model(ids, attention_mask=mask).last_hidden_state, mask) <= ATOL, lengths
     assert len(graphs) == 1 and not fresh_dynamo["graph_break"]
-    assert any("nonzero" in str(node.target) for node in graphs[0].graph.nodes) == captures
+    targets = [str(node.target) for node in graphs[0].graph.nodes]
+    assert any("nonzero" in t for t in targets) == captures
+    assert sum("varlen_attention" in t for t in targets) == (model.config.num_hidden_layers
+                                                             if captures and attention == "sdpa" else 0)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=captures):  # gradients on: no op (no backward)
+        compiled(ids, attention_mask=mask).last_hidden_state[mask.bool()].sum().backward()
+    assert len(graphs) == 2 and not any("varlen_attention" in str(node.target) for node in graphs[1].graph.nodes)
 
 
 def _traced_linears(model, call, grad: bool = False) -> tuple[list, object]:
@@ -2053,6 +2063,25 @@ def test_the_linear_op_matches_f_linear_and_traces_on_fake_tensors():
     torch.library.opcheck(K.onednn_linear, (x, w, b, "none"))
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         assert K.onednn_linear(mode.from_tensor(x), mode.from_tensor(w), None, "none").shape == (2, 5, 3)
+
+
+@pytest.mark.parametrize("layout", ["per_sequence_attention", "grid_attention", "auto"])
+def test_the_varlen_attention_op_attends_within_each_sequence_and_traces_on_fake_tensors(fresh_choices, layout):
+    """hf_bert_impl::varlen_attention on sequences laid one after another (one of them empty): each sequence's SDPA
+    alone, per sequence or on the masked grid (or "auto"'s pick), within ATOL; its fake (meta) form's shape, which
+    torch.compile traces with; torch.library's own checks of a custom op pass."""
+    g = torch.Generator().manual_seed(0)
+    heads, d, lengths = 2, 4, [3, 0, 5, 1]
+    qkv = torch.randn(1, sum(lengths), 3 * heads * d, generator=g)
+    got = K.varlen_attention(qkv, torch.tensor(lengths), heads, 0.5, layout)  # (1, T, h, d)
+    want = torch.cat([F.scaled_dot_product_attention(*part.view(1, n, 3, heads, d).permute(2, 0, 3, 1, 4), scale=0.5)
+                      .transpose(1, 2) for part, n in zip(qkv.split(lengths, 1), lengths)], 1)
+    assert got.shape == (1, sum(lengths), heads, d)
+    assert (got - want).abs().max().item() <= ATOL
+    torch.library.opcheck(K.varlen_attention, (qkv, torch.tensor(lengths), heads, 0.5, layout))
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = K.varlen_attention(mode.from_tensor(qkv), mode.from_tensor(torch.tensor(lengths)), heads, 0.5, layout)
+    assert fake.shape == got.shape
 
 
 # ---------------------------------------------------------------------------------------------
