@@ -341,7 +341,8 @@ def _onednn_runs_traced(dtype) -> bool:
 
 
 TRACED_ROWS = 1024  # the shape class "auto" takes for a compiled linear layer: its row count is often a size of the
-# graph known only when it runs (the real tokens of a padded batch; dynamic shapes). 8 x 128 tokens
+# graph known only when it runs (the real tokens of a padded batch; dynamic shapes): 8 x 128 tokens, the benchmark's
+# batch
 
 
 @torch.compiler.assume_constant_result  # measured on real tensors once while tracing, a constant of the graph
@@ -646,22 +647,11 @@ def varlen_attention(qkv: torch.Tensor, lengths: torch.Tensor, heads: int, scali
     grid, as `layout` says ("auto": the "layout" point's choice for these lengths, as in eager). The attention of a
     torch.compile graph of the unpadded layout: one op that reads the lengths when it runs, so no size of the graph
     depends on them."""
-    d = qkv.size(-1) // (3 * heads)
-    sizes = lengths.tolist()
-    real = [n for n in sizes if n]
-    if not real:
-        return qkv.new_empty(1, 0, heads, d)
-    if _layout_kernel(layout, real, heads, d, qkv.dtype) == "per_sequence_attention":
-        parts = [part.unflatten(-1, (3, heads, d)).permute(2, 0, 3, 1, 4)  # q, k, v: (1, h, n, d)
-                 for part, n in zip(qkv.split(sizes, 1), sizes) if n]
-        return torch.cat([F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2) for q, k, v in parts],
-                         1)
-    index, mask = _grid_of(torch.tensor(real, device=qkv.device), real, qkv.dtype)
-    n, m = len(real), max(real)
-    grid = qkv.new_zeros(n * m, qkv.size(-1)).index_copy(0, index, qkv.view(-1, qkv.size(-1)))  # (n*m, 3H)
-    q, k, v = grid.view(n, m, 3, heads, d).permute(2, 0, 3, 1, 4)  # each (n, h, m, d)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling).transpose(1, 2)  # (n, m, h, d)
-    return out.reshape(n * m, heads, d).index_select(0, index).unsqueeze(0)
+    d, total = qkv.size(-1) // (3 * heads), qkv.size(1)
+    tokens = _sequence_layout(layout, (1, total), None, lengths, lengths.tolist(), heads, d, qkv.dtype)
+    out, _ = _laid_out_attention(qkv, tokens, *tokens.grid, tokens.mask, heads, d, lambda q, k, v, mask: (
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling).transpose(1, 2), None))
+    return out.reshape(1, total, heads, d)
 
 
 @varlen_attention.register_fake
@@ -740,18 +730,25 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
         return None
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
-    total, m = sum(lengths), max(max(lengths), 1)
     if flash:
+        total, m = sum(lengths), max(max(lengths), 1)
         cu_seqlens = F.pad(lengths_t.cumsum(0), (1, 0)).int()  # (n + 1,)
         fkw = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": m, "max_length_k": m}
         return TokenMap((b, s), (1, total), indices=indices, attention_kwargs=fkw)
-    device, real = lengths_t.device, [n for n in lengths if n]
     heads = config.num_attention_heads
-    if total and device.type == "cpu" and _layout_kernel(choice, real, heads, config.hidden_size // heads, dtype) == \
-            "per_sequence_attention":
-        return TokenMap((b, s), (1, total), indices=indices, seq_lengths=tuple(real))
+    return _sequence_layout(choice, (b, s), indices, lengths_t, lengths, heads, config.hidden_size // heads, dtype)
+
+
+def _sequence_layout(choice, batch_shape, indices, lengths_t: torch.Tensor, lengths: list[int], heads: int,
+                     head_dim: int, dtype) -> TokenMap:
+    """Sequences of `lengths` (their tensor `lengths_t`), one after another, attended per sequence (on a CPU, where
+    `_layout_kernel` picks it) or on their masked grid."""
+    real = [n for n in lengths if n]
+    if real and lengths_t.device.type == "cpu" and \
+            _layout_kernel(choice, real, heads, head_dim, dtype) == "per_sequence_attention":
+        return TokenMap(batch_shape, (1, sum(real)), indices=indices, seq_lengths=tuple(real))
     grid_index, mask = _grid_of(lengths_t, lengths, dtype)
-    return TokenMap((b, s), (len(lengths), m), mask, indices=indices, grid_index=grid_index)
+    return TokenMap(batch_shape, (len(lengths), max(max(lengths), 1)), mask, indices=indices, grid_index=grid_index)
 
 
 @torch.compiler.assume_constant_result  # read once while tracing, a constant of the graph
@@ -808,12 +805,19 @@ def attention_kernel(setting, module, qkv: torch.Tensor, tokens: TokenMap | None
     varlen = tokens is not None and bool(tokens.attention_kwargs)  # flash's own layout: its function, its dropout
     if p > 0 and not varlen and dropout_choice(setting, qkv, p, True, probs_shape) == "bits_dropout":
         attention_fn = _eager_bits_dropout
+    return _laid_out_attention(qkv, tokens, n, m, mask, h, d, lambda q, k, v, mask: attention_fn(
+        module, q, k, v, mask, scaling=module.scaling, dropout=p, **extra, **kwargs))
+
+
+def _laid_out_attention(qkv: torch.Tensor, tokens: TokenMap | None, n: int, m: int, mask, h: int, d: int, attend):
+    """`attend(q, k, v, mask)` -> (out (n, m, h, d), probs) on qkv (b, s, 3H) or (1, T, 3H) as `tokens` lays it out:
+    the (n, m) grid (`mask` its padding mask), each sequence alone (`seq_lengths`), or as it is (None). Returns (out
+    (b, s, h, d), (1, T, h, d) or (T, H), probs)."""
     if tokens is not None and tokens.grid_index is not None:  # each real token into its slot of the (n, m) grid
         qkv = qkv.new_zeros(n * m, 3 * h * d).index_copy(0, tokens.grid_index, qkv.view(-1, 3 * h * d))  # (n*m, 3H)
     parts = qkv.split(tokens.seq_lengths, dim=1) if tokens is not None and tokens.seq_lengths is not None else \
         (qkv.view(n, m, 3 * h * d),)
-    outs = [attention_fn(module, *part.unflatten(-1, (3, h, d)).permute(2, 0, 3, 1, 4), mask, scaling=module.scaling,
-                         dropout=p, **extra, **kwargs)
+    outs = [attend(*part.unflatten(-1, (3, h, d)).permute(2, 0, 3, 1, 4), mask)
             for part in parts]  # q, k, v: (n, h, m, d) -> out (n, m, h, d), probs
     out, probs = outs[0] if len(outs) == 1 else (torch.cat([o for o, _ in outs], 1), None)
     if tokens is not None and tokens.grid_index is not None:  # from the grid's slots back to the real tokens
