@@ -27,15 +27,24 @@ class UsageError(ValueError):
     one line and exit with status 2 instead of a traceback."""
 
 
-def parse_script_arguments(dataclass_types, argv, logger):
+def parse_script_arguments(dataclass_types, argv, logger, defaults=None):
     """The training scripts' arguments through HfArgumentParser: a single .json path on the command line
-    (transformers' example convention) or the flags; then logging (info on the main process only)."""
+    (transformers' example convention) or the flags; then logging (info on the main process only). `defaults`
+    replaces the dataclasses' defaults of those fields (a script's own recipe), in --help too."""
     import transformers
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(dataclass_types)
+    parser.set_defaults(**(defaults or {}))
     if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        parsed = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+        path = os.path.abspath(sys.argv[1])
+        try:
+            given = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{path}: not a readable JSON file of arguments ({e})") from e
+        if not isinstance(given, dict):
+            raise UsageError(f"{path}: a JSON file of arguments holds one object, not a {type(given).__name__}")
+        parsed = parser.parse_dict({**(defaults or {}), **given})
     else:
         parsed = parser.parse_args_into_dataclasses(args=argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)

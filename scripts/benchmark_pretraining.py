@@ -10,8 +10,9 @@ For each seed, pretrains for the same training-time budget (`--budget` seconds; 
                 `Trainer`, under the recipe `--opponent` names: run_mlm.py's own (masking 15%, dropout 0.1, the race's
                 learning rate; the default), any masking rate / dropout / learning rate, or the best of a `--sweep`
 Both: the same WordPiece tokenizer (trained once on the training split), the same blocks of
-`--max_seq_length` tokens, size (`--model_size`), batch, AdamW, weight decay and schedule (linear decay laid over
-the budget, warm-up `--warmup_ratio` of its time: `hf_bert_impl.budget.TimeBudget` for both), evaluated every
+`--max_seq_length` tokens, size (`--model_size`), batch (`--batch_size`), AdamW, weight decay and schedule (linear
+decay laid over the budget, warm-up `--warmup_ratio` of its time: `hf_bert_impl.budget.TimeBudget` for both; the
+batch, warm-up and ours' `--learning_rate` default to pretrain_mlm.py's recipe), evaluated every
 `--budget / --evaluations` seconds of training time on the same held-out blocks under one fixed 15% masking (the one
 pretrain_mlm.py draws: seed + 1), whatever masking rate the opponent trains with. The two runs of a seed take turns
 in which goes first.
@@ -126,9 +127,10 @@ def curve_of(log_history: list[dict]) -> list[dict]:
     ]
 
 
-# Our recipe's levers: training choices, not architecture, each one option of pretrain_mlm.py. --ablation trains ours
-# under the defaults (masking 30%, dropout off while pretraining), under each change alone and under BERT's masking and
-# dropout together (evaluated at 15% masking for all).
+# Our recipe's levers: training choices, not architecture, each one option of pretrain_mlm.py on top of the race's
+# settings. --ablation trains ours under the defaults (batch 16, masking 30%, dropout off while pretraining), under
+# each change alone and under BERT's masking and dropout together (evaluated at 15% masking for all); "batch 16" and
+# "batch 16 + masking 40%" are changes from batch 32 (--batch_size 32: 0.7.0's defaults), left out by default.
 ABLATIONS = {
     "defaults": [],
     "masking 15%": ["--mlm_probability", "0.15"],
@@ -138,7 +140,10 @@ ABLATIONS = {
     "dense prediction": ["--sparse_prediction", "false"],
     "cosine schedule": ["--lr_scheduler_type", "cosine"],
     "warm-up 2%": ["--warmup_steps", "0.02"],
+    "batch 8": ["--per_device_train_batch_size", "8"],
     "batch 16": ["--per_device_train_batch_size", "16"],
+    "batch 16 + masking 40%": ["--per_device_train_batch_size", "16", "--mlm_probability", "0.4"],
+    "batch 32": ["--per_device_train_batch_size", "32"],
     "batch 64": ["--per_device_train_batch_size", "64"],
 }
 
@@ -644,9 +649,21 @@ def parse_args(argv=None):
     parser.add_argument("--evaluations", type=int, default=12, help="held-out evaluations per run (evenly in time)")
     parser.add_argument("--model_size", default="mini", choices=list(SIZE_PRESETS))
     parser.add_argument("--max_seq_length", type=int, default=128)
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--learning_rate", type=float, default=1e-3, help="ours' (and run_mlm's recipe's)")
-    parser.add_argument("--warmup_ratio", type=float, default=0.1, help="warm-up as a share of the budget's time")
+    parser.add_argument(
+        "--batch_size", type=int, default=pretrain_mlm.RECIPE_BATCH_SIZE, help="both models' (ours' default)"
+    )
+    parser.add_argument(
+        "--learning_rate",
+        type=float,
+        default=pretrain_mlm.RECIPE_LEARNING_RATE,
+        help="ours' (its default; and run_mlm's recipe's)",
+    )
+    parser.add_argument(
+        "--warmup_ratio",
+        type=float,
+        default=pretrain_mlm.RECIPE_WARMUP,
+        help="warm-up as a share of the budget's time (ours' default)",
+    )
     parser.add_argument("--vocab_size", type=int, default=8192)
     parser.add_argument(
         "--opponent",
@@ -677,10 +694,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--ablations",
         nargs="+",
-        default=list(ABLATIONS),
+        default=[name for name in ABLATIONS if not name.startswith("batch 16")],
         choices=list(ABLATIONS),
         metavar="NAME",
-        help=f"the variants --ablation trains: {', '.join(map(repr, ABLATIONS))} (default: all)".replace("%", "%%"),
+        help=f"the variants --ablation trains: {', '.join(map(repr, ABLATIONS))} (default: all but the batch-16 "
+        "ones)".replace("%", "%%"),
     )
     parser.add_argument(
         "--resume",
@@ -735,7 +753,7 @@ def parse_args(argv=None):
     if args.grid is not None and not args.sweep:
         parser.error("--grid is --sweep's: a race trains one recipe (--opponent)")
     try:
-        args.grid = sweep_grid(args.grid)
+        args.grid = sweep_grid(args.grid) if args.sweep else None  # a race or an ablation records no grid
     except ValueError as e:
         parser.error(f"--grid: {e}")
     if args.sweep and args.ablation:

@@ -526,6 +526,7 @@ def test_opponent_recipes_parse_and_refuse_what_is_not_a_recipe(tmp_path):
 def test_a_sweep_grid_narrows_the_recipes_and_refuses_what_is_not_one(capsys):
     race = load_script("benchmark_pretraining")
     assert race.parse_args(["--sweep"]).grid == race.OPPONENT_GRID and len(race.sweep_recipes()) == 8
+    assert race.parse_args([]).grid is None and race.parse_args(["--ablation"]).grid is None  # none to record
     grid = race.parse_args(["--sweep", "--grid", "mlm_probability=0.3, dropout=0,learning_rate=5e-4/1e-3/5e-4"]).grid
     assert race.sweep_recipes(grid) == [
         {"mlm_probability": 0.3, "dropout": 0.0, "learning_rate": 5e-4},
@@ -598,7 +599,7 @@ def test_the_ablation_trains_ours_under_each_lever_through_pretrain_mlm_and_eval
     loss and the lowest variant are recomputed here."""
     race = load_script("benchmark_pretraining")
     out = tmp_path / "ablation"
-    variants = ["defaults", "masking 15%", "dense prediction", "cosine schedule", "batch 16", "dropout 0.1"]
+    variants = ["defaults", "masking 15%", "dense prediction", "cosine schedule", "batch 32", "dropout 0.1"]
     args = ["--ablation", "--ablations", *variants, "--budget", "1", "--evaluations", "1", "--seeds", "0"]
     code = race.main(
         [*args, "--model_size", "debug", "--max_seq_length", "32", "--vocab_size", "400", "--out", str(out)]
@@ -614,7 +615,7 @@ def test_the_ablation_trains_ours_under_each_lever_through_pretrain_mlm_and_eval
         "mlm_probability": 0.3,
         "eval_mlm_probability": 0.15,
         "sparse_prediction": True,
-        "train_batch_size": 32,
+        "train_batch_size": 16,
         "learning_rate": 1e-3,
         "warmup_steps": 0.1,
         "lr_scheduler_type": "linear",
@@ -624,7 +625,7 @@ def test_the_ablation_trains_ours_under_each_lever_through_pretrain_mlm_and_eval
         "masking 15%": {"mlm_probability": 0.15},
         "dense prediction": {"sparse_prediction": False},
         "cosine schedule": {"lr_scheduler_type": "cosine"},
-        "batch 16": {"train_batch_size": 16},
+        "batch 32": {"train_batch_size": 32},
         "dropout 0.1": {"dropout": [0.1, 0.1]},
     }
     for name, change in changed.items():
@@ -644,7 +645,7 @@ def test_an_interrupted_ablation_keeps_its_runs_and_resume_trains_only_what_is_m
     small = ["--budget", "1", "--evaluations", "1", "--model_size", "debug", "--max_seq_length", "32"]
     small += ["--vocab_size", "400"]
     first = tmp_path / "first"
-    args = ["--ablation", "--ablations", "defaults", "batch 16", *small]
+    args = ["--ablation", "--ablations", "defaults", "batch 32", *small]
     assert race.main([*args, "--seeds", "0", "--out", str(first)]) == 0
     earlier = json.loads(first.with_suffix(".json").read_text())
     assert earlier["finished"] is True
@@ -662,10 +663,10 @@ def test_an_interrupted_ablation_keeps_its_runs_and_resume_trains_only_what_is_m
         race.main([*args, "--seeds", "0", "1", "--resume", str(first.with_suffix(".json")), "--out", str(second)])
     assert trained == [(1, ())]  # seed 0 of both variants came from the first report; defaults seed 1 trained
     partial = json.loads(second.with_suffix(".json").read_text())
-    assert partial["finished"] is False  # written before batch 16 seed 1 was interrupted
+    assert partial["finished"] is False  # written before batch 32 seed 1 was interrupted
     assert [(row["variant"], [r["seed"] for r in row["runs"]]) for row in partial["ablation"]["rows"]] == [
         ("defaults", [0, 1]),
-        ("batch 16", [0]),
+        ("batch 32", [0]),
     ]
     assert partial["ablation"]["rows"][0]["runs"][0] == earlier["ablation"]["rows"][0]["runs"][0]
 
@@ -674,7 +675,7 @@ def test_an_interrupted_ablation_keeps_its_runs_and_resume_trains_only_what_is_m
     third = tmp_path / "third"
     resume = [str(first.with_suffix(".json")), str(second.with_suffix(".json"))]  # both hold defaults seed 0
     assert race.main([*args, "--seeds", "0", "1", "--resume", *resume, "--out", str(third)]) == 0
-    assert trained == [1]  # batch 16 seed 1, the one run no report holds
+    assert trained == [1]  # batch 32 seed 1, the one run no report holds
     report = json.loads(third.with_suffix(".json").read_text())
     assert report["finished"] is True
     rows = {row["variant"]: row for row in report["ablation"]["rows"]}
@@ -685,14 +686,14 @@ def test_an_interrupted_ablation_keeps_its_runs_and_resume_trains_only_what_is_m
     trained.clear()  # --resume_only: one report from others, training nothing; what none holds is left out
     merged = tmp_path / "merged"
     only = ["--resume", resume[0], str(third.with_suffix(".json")), "--resume_only", "--out", str(merged)]
-    three = ["--ablations", "defaults", "batch 16", "dropout 0.1", "--seeds", "0", "1", "2"]
+    three = ["--ablations", "defaults", "batch 32", "dropout 0.1", "--seeds", "0", "1", "2"]
     assert race.main([*args, *three, *only]) == 0
     assert trained == []
     report = json.loads(merged.with_suffix(".json").read_text())
     assert report["finished"] is False  # seed 2 and dropout 0.1 are in no report
     assert [(row["variant"], [r["seed"] for r in row["runs"]]) for row in report["ablation"]["rows"]] == [
         ("defaults", [0, 1]),
-        ("batch 16", [0, 1]),
+        ("batch 32", [0, 1]),
     ]
     with pytest.raises(UsageError, match="hold none of these variants"):
         race.main([*args, "--ablations", "dropout 0.1", "--seeds", "0", *only])

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -702,3 +703,42 @@ def test_help_lists_the_options(name, option, capsys):
     with pytest.raises(SystemExit) as exit_info:
         load_script(name).main(["--help"])
     assert exit_info.value.code == 0 and option in capsys.readouterr().out
+
+
+def test_pretrain_mlm_trains_with_its_recipe_unless_told_otherwise(pretrain, tmp_path, monkeypatch, capsys):
+    """pretrain_mlm.py's own defaults (docs/training.md's ablation: batch 16, learning rate 1e-3, warm-up 10%,
+    masking 30%, dropout off) in place of TrainingArguments' fine-tuning ones (batch 8, 5e-5, no warm-up), from the
+    flags and from a JSON file of arguments alike, in --help too; a value the user gives wins."""
+    warmup = "warmup_ratio" if hasattr(pretrain.TrainingArguments, "warmup_ratio") else "warmup_steps"
+
+    def recipe(parsed):
+        model_args, data_args, _, training = parsed
+        return (
+            training.per_device_train_batch_size,
+            training.learning_rate,
+            getattr(training, warmup),
+            data_args.mlm_probability,
+            model_args.pretraining_dropout,
+        )
+
+    assert recipe(pretrain.parse_arguments(["--output_dir", str(tmp_path)])) == (16, 1e-3, 0.1, 0.3, "0")
+    given = ["--per_device_train_batch_size", "4", "--learning_rate", "5e-4", f"--{warmup}", "0.2"]
+    assert recipe(pretrain.parse_arguments(["--output_dir", str(tmp_path), *given])) == (4, 5e-4, 0.2, 0.3, "0")
+
+    arguments = tmp_path / "args.json"
+    arguments.write_text(json.dumps({"output_dir": str(tmp_path), "learning_rate": 2e-4}))
+    monkeypatch.setattr(sys, "argv", ["pretrain_mlm.py", str(arguments)])
+    assert recipe(pretrain.parse_arguments()) == (16, 2e-4, 0.1, 0.3, "0")
+    arguments.write_text("[1, 2]")
+    with pytest.raises(pretrain.cli.UsageError, match=r"args\.json: a JSON file of arguments holds one object"):
+        pretrain.parse_arguments()
+
+    with pytest.raises(SystemExit):
+        pretrain.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    shown = {
+        name: re.search(rf"--{name} {name.upper()}, .*?\(default: ([^)]*)\)", text).group(1)
+        for name in ("per_device_train_batch_size", "learning_rate", warmup, "num_train_epochs")
+    }
+    batch, rate = "per_device_train_batch_size", "learning_rate"
+    assert shown == {batch: "16", rate: "0.001", warmup: "0.1", "num_train_epochs": "3.0"}  # the last: Trainer's own
