@@ -22,7 +22,8 @@ evaluation point of transformers' curve: the training seconds ours needs to reac
 (interpolated between ours' evaluations), and the speed-up, transformers' seconds over ours'; the headline one is at
 transformers' final loss (a point where ours' first evaluation was already lower is a bound, marked). Then each
 pretrained model is fine-tuned with the same settings, dropout included (`--finetune_dropout`, BERT's 0.1, whatever
-rate it pretrained with), on each of `--finetune_tasks` (accuracy and MCC on the test split): "statement_topic",
+rate it pretrained with), on each of `--finetune_tasks` (accuracy and MCC on the test split, or with
+`--finetune_folds K` on every sentence of the task by K-fold cross-validation): "statement_topic",
 the embedded corpus' statement-topic task, and "fortune_topic", which of four fortune files (computers, politics,
 science, songs-poems; chance 25%) a fortune comes from (`hf_bert_impl.data.fortune_topic_task`; needs the fortunes
 package). Also two checks that make the race mean something:
@@ -68,6 +69,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import datasets
 import numpy as np
 import torch
 from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
@@ -318,8 +320,11 @@ FINETUNE_TASKS = {
 def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: str, task) -> dict:
     """Fine-tunes the pretrained model on `task`, FINETUNE_TASKS[task_name] built once (fixed splits), with the same
     settings for both models, dropout included (`--finetune_dropout`, whatever rate each pretrained with and its
-    saved config holds); accuracy and Matthews correlation on its test split."""
+    saved config holds); accuracy and Matthews correlation on its test split, or with `--finetune_folds K` on all
+    of its sentences: K fine-tunings, each tested on one fold of sklearn's StratifiedKFold (shuffled, fixed folds)
+    and trained on the others."""
     from sklearn.metrics import accuracy_score, matthews_corrcoef
+    from sklearn.model_selection import StratifiedKFold
     from transformers import BertForSequenceClassification, DataCollatorWithPadding
 
     from hf_bert_impl import BertImplForSequenceClassification
@@ -331,38 +336,49 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
         batched=True,
         remove_columns=["sentence"],
     )
-    dropout = {"hidden_dropout_prob": args.finetune_dropout, "attention_probs_dropout_prob": args.finetune_dropout}
-    if name == "ours":  # with the speed layer, as scripts/finetune.py fine-tunes
-        model = kernelize(
-            BertImplForSequenceClassification.from_pretrained(model_dir, num_labels=labels, **dropout), args.kernels
-        )
+    if args.finetune_folds:  # every sentence of the task is a test sentence once
+        sentences = datasets.concatenate_datasets([task[split] for split in ("train", "validation", "test")])
+        gold = np.array(sentences["label"])
+        folds = StratifiedKFold(args.finetune_folds, shuffle=True, random_state=0).split(gold, gold)
+        splits = [(sentences.select(train), sentences.select(test), test) for train, test in folds]
     else:
-        model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=labels, **dropout)
-    training_args = TrainingArguments(
-        output_dir=str(model_dir / f"finetune-{task_name}"),
-        num_train_epochs=args.finetune_epochs,
-        per_device_train_batch_size=32,
-        per_device_eval_batch_size=128,
-        learning_rate=args.finetune_learning_rate,
-        warmup_steps=0.1,
-        weight_decay=0.01,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=seed,
-        disable_tqdm=True,
-    )
-    trainer = Trainer(
-        model=model, args=training_args, train_dataset=task["train"], data_collator=DataCollatorWithPadding(tokenizer)
-    )
-    trainer.train()
-    prediction = trainer.predict(task["test"])
-    predicted, gold = prediction.predictions.argmax(-1), prediction.label_ids
+        gold = np.array(task["test"]["label"])
+        splits = [(task["train"], task["test"], np.arange(len(gold)))]
+    dropout = {"hidden_dropout_prob": args.finetune_dropout, "attention_probs_dropout_prob": args.finetune_dropout}
+    predicted = np.full(len(gold), -1)
+    for train, test, where in splits:
+        if name == "ours":  # with the speed layer, as scripts/finetune.py fine-tunes
+            model = kernelize(
+                BertImplForSequenceClassification.from_pretrained(model_dir, num_labels=labels, **dropout),
+                args.kernels,
+            )
+        else:
+            model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=labels, **dropout)
+        training_args = TrainingArguments(
+            output_dir=str(model_dir / f"finetune-{task_name}"),
+            num_train_epochs=args.finetune_epochs,
+            per_device_train_batch_size=32,
+            per_device_eval_batch_size=128,
+            learning_rate=args.finetune_learning_rate,
+            warmup_steps=0.1,
+            weight_decay=0.01,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            seed=seed,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=model, args=training_args, train_dataset=train, data_collator=DataCollatorWithPadding(tokenizer)
+        )
+        trainer.train()
+        predicted[where] = trainer.predict(test).predictions.argmax(-1)
     return {
         "accuracy": float(accuracy_score(gold, predicted)),
         "mcc": float(matthews_corrcoef(gold, predicted)),
         "classes": labels,
         "test_sentences": len(gold),
+        "folds": args.finetune_folds,
         "predicted": predicted.tolist(),
         "dropout": [model.config.hidden_dropout_prob, model.config.attention_probs_dropout_prob],
     }
@@ -727,6 +743,14 @@ def parse_args(argv=None):
     parser.add_argument("--finetune_epochs", type=float, default=3.0)
     parser.add_argument("--finetune_learning_rate", type=float, default=3e-4)
     parser.add_argument(
+        "--finetune_folds",
+        type=int,
+        default=0,
+        metavar="K",
+        help="0: train on each task's train split, score its test split; K >= 2: score every sentence of the task, "
+        "each by the one of K fine-tunings (stratified folds) that did not train on it",
+    )
+    parser.add_argument(
         "--finetune_dropout",
         type=float,
         default=0.1,
@@ -762,6 +786,8 @@ def parse_args(argv=None):
         parser.error("--sweep (transformers' recipes) and --ablation (ours') are separate runs: choose one")
     if not 0 <= args.finetune_dropout < 1:
         parser.error(f"--finetune_dropout must be a rate in [0, 1), got {args.finetune_dropout}")
+    if args.finetune_folds < 0 or args.finetune_folds == 1:
+        parser.error(f"--finetune_folds must be 0 (the test split) or at least 2, got {args.finetune_folds}")
     if args.resume_only and not args.resume:
         parser.error("--resume_only builds the report from --resume's reports: give them")
     return args
@@ -812,7 +838,14 @@ RESUME_SETTINGS = (
 
 
 # and what a race's must share besides: its runs are also fine-tuned and raced against one recipe
-RACE_RESUME_SETTINGS = ("finetune_tasks", "finetune_epochs", "finetune_learning_rate", "finetune_dropout")
+RACE_RESUME_SETTINGS = (
+    "finetune_tasks",
+    "finetune_epochs",
+    "finetune_learning_rate",
+    "finetune_dropout",
+    "finetune_folds",
+)
+SETTINGS_BEFORE = {"finetune_folds": 0}  # a setting an earlier report has not: the value it ran with
 
 
 def resumed_reports(args, head: dict) -> list[tuple[str, dict]]:
@@ -843,7 +876,7 @@ def resumed_reports(args, head: dict) -> list[tuple[str, dict]]:
             **{k: report.get("machine", {}).get(k) for k in ("cpu", "cpu_family_model")},
             "corpus": report.get("corpus"),
             **({"opponent": report.get("opponent")} if kind == "race" else {}),
-            **{k: report.get("settings", {}).get(k) for k in keys},
+            **{k: report.get("settings", {}).get(k, SETTINGS_BEFORE.get(k)) for k in keys},
         }
         for key, value in ours.items():
             if theirs[key] != value:
@@ -1111,9 +1144,10 @@ def main(argv=None) -> int:
                 for p in row["time_to_accuracy"]
             )
         )
+    folds = f"{args.finetune_folds}-fold cross-validated" if args.finetune_folds else "test"
     for task, scores in s["mean_finetune"].items():
         print(
-            f"{task}: mean test accuracy ours {scores['ours']['accuracy']:.4f} (MCC {scores['ours']['mcc']:.4f}), "
+            f"{task}: mean {folds} accuracy ours {scores['ours']['accuracy']:.4f} (MCC {scores['ours']['mcc']:.4f}), "
             f"transformers {scores['transformers']['accuracy']:.4f} (MCC {scores['transformers']['mcc']:.4f})"
         )
     kernels = report["kernels"]

@@ -556,6 +556,62 @@ def test_a_bad_finetune_dropout_is_refused_with_its_value(capsys):
     assert "--finetune_dropout must be a rate in [0, 1), got 1.5" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("folds", [0, 3])
+def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_on_it(tmp_path, monkeypatch, folds):
+    """--finetune_folds K: the task's sentences (train, validation and test) are each predicted once, by the one of
+    K fine-tunings whose training set left them out (read off what each Trainer trained on and predicted); the
+    scores are recomputed here from the recorded predictions. 0: trained on the train split, scored on the test."""
+    import datasets
+
+    race = load_script("benchmark_pretraining")
+    args = race.parse_args(["--finetune_folds", str(folds), "--finetune_epochs", "0.5", "--kernels", "reference"])
+    texts = [f"sentence {i} says {'statement' if i % 3 == 0 else 'other'} number {i}" for i in range(45)]
+    tokenizer = D.train_wordpiece_tokenizer(texts, vocab_size=120)
+    features = datasets.Features(
+        {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["other", "statement"])}
+    )
+    rows = [{"sentence": t, "label": int(i % 3 == 0)} for i, t in enumerate(texts)]
+    task = datasets.DatasetDict(
+        {split: datasets.Dataset.from_list(rows[a:b], features=features)
+         for split, (a, b) in {"train": (0, 33), "validation": (33, 39), "test": (39, 45)}.items()}
+    )
+    config = BertImplConfig.from_preset("debug", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    BertImplForMaskedLM(config).save_pretrained(tmp_path / "ours")
+    seen = []
+
+    class RecordingTrainer(race.Trainer):
+        def predict(self, test_dataset, *a, **k):
+            as_set = lambda ds: {tuple(ids) for ids in ds["input_ids"]}  # noqa: E731
+            seen.append((as_set(self.train_dataset), as_set(test_dataset)))
+            return super().predict(test_dataset, *a, **k)
+
+    monkeypatch.setattr(race, "Trainer", RecordingTrainer)
+    scores = race.finetune(args, 0, tmp_path / "ours", "ours", tokenizer, "statement_topic", task)
+    every = {tuple(tokenizer(t, truncation=True, max_length=48)["input_ids"]) for t in texts}
+    assert len(every) == len(texts)  # distinct sentences, so the sets below say which sentence went where
+    gold = list(task["test"]["label"]) if folds == 0 else [r["label"] for r in rows]
+    assert scores["folds"] == folds and len(seen) == max(folds, 1) and scores["test_sentences"] == len(gold)
+    for trained, tested in seen:
+        assert trained and tested and not trained & tested
+    if folds:
+        assert set().union(*(tested for _, tested in seen)) == every and sum(len(t) for _, t in seen) == len(texts)
+        assert all(len(trained) + len(tested) == len(texts) for trained, tested in seen)
+    else:
+        assert seen[0][0] == {tuple(ids) for ids in tokenizer(list(task["train"]["sentence"]))["input_ids"]}
+    assert len(scores["predicted"]) == len(gold) and set(scores["predicted"]) <= {0, 1}
+    assert scores["accuracy"] == pytest.approx(np.mean(np.array(scores["predicted"]) == np.array(gold)), abs=1e-12)
+    assert scores["mcc"] == pytest.approx(_matthews(gold, scores["predicted"]), abs=1e-9)
+
+
+def test_a_bad_finetune_folds_is_refused_with_its_value(capsys):
+    race = load_script("benchmark_pretraining")
+    assert race.parse_args([]).finetune_folds == 0  # the task's test split, as before the option
+    for bad in ("1", "-2"):
+        with pytest.raises(SystemExit):
+            race.parse_args(["--finetune_folds", bad])
+        assert f"--finetune_folds must be 0 (the test split) or at least 2, got {bad}" in capsys.readouterr().err
+
+
 def _fortune_folder(folder: Path) -> Path:
     """food: 10 fortunes (one over two lines), one too short; law: 12, one of them also in food; a strfile index,
     a .u8 link and ascii-art beside them."""
