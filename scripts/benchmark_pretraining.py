@@ -384,6 +384,18 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
     }
 
 
+def check_folds(folds: int, tasks: dict) -> None:
+    """--finetune_folds K needs K sentences of every class of every task (a stratified fold holds one of each):
+    checked before any training, so a K too large stops the run before it has trained anything."""
+    for name, task in tasks.items():
+        counts = np.bincount(np.concatenate([np.asarray(split["label"]) for split in task.values()]))
+        if folds and counts.min() < folds:
+            raise cli.UsageError(
+                f"--finetune_folds {folds}: task {name!r} has {counts.min()} sentences of its smallest class "
+                f"({task['train'].features['label'].names[counts.argmin()]!r}); give at most {counts.min()} folds"
+            )
+
+
 def time_to_reach(curve: list[dict], target: float) -> float | None:
     """Training seconds at which the held-out loss first reaches `target` (linear between evaluations)."""
     previous = {"seconds": 0.0, "eval_loss": math.inf}
@@ -1086,6 +1098,7 @@ def main(argv=None) -> int:
         # built before any training: a task that cannot be built (no fortune files) stops the race here
         finetuning = not (args.sweep or args.ablation) and args.finetune_epochs
         tasks = {t: FINETUNE_TASKS[t][0]() for t in args.finetune_tasks} if finetuning else {}
+        check_folds(args.finetune_folds, tasks)
         if args.sweep:
             sweep(args, tmp, blocks, held_out, tokenizer, head)
             return 0

@@ -579,9 +579,11 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
     BertImplForMaskedLM(config).save_pretrained(tmp_path / "ours")
     seen = []
 
+    def as_set(dataset) -> set:
+        return {tuple(ids) for ids in dataset["input_ids"]}
+
     class RecordingTrainer(race.Trainer):
         def predict(self, test_dataset, *a, **k):
-            as_set = lambda ds: {tuple(ids) for ids in ds["input_ids"]}  # noqa: E731
             seen.append((as_set(self.train_dataset), as_set(test_dataset)))
             return super().predict(test_dataset, *a, **k)
 
@@ -598,6 +600,11 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
         assert all(len(trained) + len(tested) == len(texts) for trained, tested in seen)
     else:
         assert seen[0][0] == {tuple(ids) for ids in tokenizer(list(task["train"]["sentence"]))["input_ids"]}
+        assert seen[0][1] == {tuple(ids) for ids in tokenizer(list(task["test"]["sentence"]))["input_ids"]}
+    race.check_folds(15, {"statement_topic": task})  # 15 of the smaller class: 15 folds can be stratified
+    with pytest.raises(UsageError, match="--finetune_folds 16: task 'statement_topic' has 15 sentences of its smallest "
+                       "class \\('statement'\\); give at most 15 folds"):
+        race.check_folds(16, {"statement_topic": task})
     assert len(scores["predicted"]) == len(gold) and set(scores["predicted"]) <= {0, 1}
     assert scores["accuracy"] == pytest.approx(np.mean(np.array(scores["predicted"]) == np.array(gold)), abs=1e-12)
     assert scores["mcc"] == pytest.approx(_matthews(gold, scores["predicted"]), abs=1e-9)
