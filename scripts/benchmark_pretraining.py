@@ -345,8 +345,23 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
         gold = np.array(task["test"]["label"])
         splits = [(task["train"], task["test"], np.arange(len(gold)))]
     dropout = {"hidden_dropout_prob": args.finetune_dropout, "attention_probs_dropout_prob": args.finetune_dropout}
+    training_args = TrainingArguments(
+        output_dir=str(model_dir / f"finetune-{task_name}"),
+        num_train_epochs=args.finetune_epochs,
+        per_device_train_batch_size=32,
+        per_device_eval_batch_size=128,
+        learning_rate=args.finetune_learning_rate,
+        warmup_steps=0.1,
+        weight_decay=0.01,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=seed,
+        disable_tqdm=True,
+    )
+    collator = DataCollatorWithPadding(tokenizer)
     predicted = np.full(len(gold), -1)
-    for train, test, where in splits:
+    for train, test, where in splits:  # each fold from the pretrained weights, under the same arguments
         if name == "ours":  # with the speed layer, as scripts/finetune.py fine-tunes
             model = kernelize(
                 BertImplForSequenceClassification.from_pretrained(model_dir, num_labels=labels, **dropout),
@@ -354,23 +369,7 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
             )
         else:
             model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=labels, **dropout)
-        training_args = TrainingArguments(
-            output_dir=str(model_dir / f"finetune-{task_name}"),
-            num_train_epochs=args.finetune_epochs,
-            per_device_train_batch_size=32,
-            per_device_eval_batch_size=128,
-            learning_rate=args.finetune_learning_rate,
-            warmup_steps=0.1,
-            weight_decay=0.01,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            seed=seed,
-            disable_tqdm=True,
-        )
-        trainer = Trainer(
-            model=model, args=training_args, train_dataset=train, data_collator=DataCollatorWithPadding(tokenizer)
-        )
+        trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
         trainer.train()
         predicted[where] = trainer.predict(test).predictions.argmax(-1)
     return {
@@ -387,9 +386,11 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
 def check_folds(folds: int, tasks: dict) -> None:
     """--finetune_folds K needs K sentences of every class of every task (a stratified fold holds one of each):
     checked before any training, so a K too large stops the run before it has trained anything."""
+    if not folds:  # the test split: nothing to check
+        return
     for name, task in tasks.items():
         counts = np.bincount(np.concatenate([np.asarray(split["label"]) for split in task.values()]))
-        if folds and counts.min() < folds:
+        if counts.min() < folds:
             raise cli.UsageError(
                 f"--finetune_folds {folds}: task {name!r} has {counts.min()} sentences of its smallest class "
                 f"({task['train'].features['label'].names[counts.argmin()]!r}); give at most {counts.min()} folds"
