@@ -30,6 +30,11 @@ LoRA layer, a quantized linear) or hooked runs its own forward. The kernels, by 
                        only; attention per sequence
                        ("per_sequence_attention") or on a compact
                        masked grid ("grid_attention")
+  attention (SDPA)     "matmul_attention" (CPU inference, in the        SDPA's fused kernel
+                       layouts above; forced, it implies "unpadded"):
+                       softmax(QKᵀ·scaling + M) V as the formula
+                       writes it, two batched GEMMs and a softmax
+                       on q, k, v made contiguous
   MLM heads            the loss from the labelled rows only; with       the loss from every row
                        `sparse_prediction=True` the decoder too         logits (b, s, V)
                        (logits (n, V), the same loss)
@@ -78,7 +83,7 @@ from . import modeling_bert_impl as plain
 logger = logging.getLogger("hf_bert_impl.kernels")
 
 KERNELS = ("onednn_linear", "fused_activation", "packed_linear", "skip_zero_rows", "bits_dropout", "unpadded",
-           "per_sequence_attention", "grid_attention")
+           "per_sequence_attention", "grid_attention", "matmul_attention")
 # A kernel is kept only if its output is within this of the reference's on the measured input (max abs difference,
 # relative to the reference's largest magnitude; float32: GEMM reordering, bfloat16: its 8-bit mantissa).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -105,10 +110,14 @@ def kernel_names(setting) -> frozenset | str:
 
 def parse_setting(setting) -> frozenset | str:
     """`kernels` -> "auto", "reference", or the forced kernel names ("fused_activation" and "packed_linear" imply
-    "onednn_linear", the GEMM they run on and the one a training call of theirs runs)."""
+    "onednn_linear", the GEMM they run on and the one a training call of theirs runs; "matmul_attention" implies
+    "unpadded", the layout it attends in)."""
     choice = kernel_names(setting)
-    on_onednn = isinstance(choice, frozenset) and choice & {"fused_activation", "packed_linear"}
-    return choice | {"onednn_linear"} if on_onednn else choice
+    if not isinstance(choice, frozenset):
+        return choice
+    on_onednn = choice & {"fused_activation", "packed_linear"}
+    choice = choice | {"onednn_linear"} if on_onednn else choice
+    return choice | {"unpadded"} if "matmul_attention" in choice else choice
 
 
 class _Choices:
@@ -583,7 +592,8 @@ class TokenMap:
     `indices` (T,): their places in the flattened (b*s) batch (None for a packed row: all are real). Attention sees
     per sequence (`seq_lengths`, one unmasked call each) or as `grid` (n, m): n sequences of m slots, `grid_index` (T,)
     each token's slot, `mask` the additive padding mask of the grid (None: every slot real). Flash attention takes them
-    they are: cu_seqlens (n + 1,) and max_seqlen in `attention_kwargs`."""
+    they are: cu_seqlens (n + 1,) and max_seqlen in `attention_kwargs`. In a torch.compile graph: `lengths` (n,), and
+    the `layout` and `attention` settings that `varlen_attention` attends by."""
 
     batch_shape: tuple[int, int]
     grid: tuple[int, int]
@@ -594,11 +604,12 @@ class TokenMap:
     attention_kwargs: dict = field(default_factory=dict)
     lengths: torch.Tensor | None = None
     layout: str = "auto"
+    attention: str = "auto"
 
     @property
     def unpadded(self) -> bool:  # the layers run on fewer (or packed) tokens than the padded batch
         layout = (self.indices, self.seq_lengths, self.grid_index, self.lengths)
-        return any(t is not None for t in layout) or bool(self.attention_kwargs)
+        return any(t is not None for t in layout) or bool(self.attention_kwargs) or self.grid != self.batch_shape
 
     def gather(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """An input (b, s[, H]) or (1, s[, H]) -> (1, T[, H])."""
@@ -640,22 +651,26 @@ def _grid_of(lengths_t: torch.Tensor, lengths: list[int], dtype) -> tuple[torch.
 
 
 @torch.library.custom_op("hf_bert_impl::varlen_attention", mutates_args=())
-def varlen_attention(qkv: torch.Tensor, lengths: torch.Tensor, heads: int, scaling: float,
-                     layout: str) -> torch.Tensor:
+def varlen_attention(qkv: torch.Tensor, lengths: torch.Tensor, heads: int, scaling: float, layout: str,
+                     attention: str = "auto") -> torch.Tensor:
     """Attention of each sequence over its own tokens alone, softmax(QKᵀ·scaling) V by SDPA: qkv (1, T, 3H) of n
     sequences one after another, `lengths` (n,) theirs (summing to T) -> (1, T, h, d). Per sequence or as a masked
-    grid, as `layout` says ("auto": the "layout" point's choice for these lengths, as in eager). The attention of a
-    torch.compile graph of the unpadded layout: one op that reads the lengths when it runs, so no size of the graph
-    depends on them."""
+    grid, as `layout` says ("auto": the "layout" point's choice for these lengths, as in eager), by SDPA or
+    `matmul_attention` as `attention` says ("auto": the "attention" point's choice, as in eager; "reference": SDPA).
+    The attention of a torch.compile graph of the unpadded layout in inference: one op that reads the lengths when it
+    runs, so no size of the graph depends on them."""
     d, total = qkv.size(-1) // (3 * heads), qkv.size(1)
     tokens = _sequence_layout(layout, (1, total), None, lengths, lengths.tolist(), heads, d, qkv.dtype)
-    out, _ = _laid_out_attention(qkv, tokens, *tokens.grid, tokens.mask, heads, d, lambda q, k, v, mask: (
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling).transpose(1, 2), None))
-    return out.reshape(1, total, heads, d)
+    sdpa = lambda q, k, v, mask: (  # noqa: E731
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling).transpose(1, 2), None)
+    choice = "auto" if attention == "auto" else frozenset({attention})
+    out, _ = _laid_out_attention(qkv, tokens, *tokens.grid, tokens.mask, heads, d,
+                                 _sdpa_or_matmul(choice, sdpa, scaling))
+    return out.reshape(1, total, heads, d).contiguous()  # the layout its fake form promises, whatever ran
 
 
 @varlen_attention.register_fake
-def _(qkv, lengths, heads, scaling, layout):
+def _(qkv, lengths, heads, scaling, layout, attention="auto"):
     return qkv.new_empty(1, qkv.size(1), heads, qkv.size(-1) // (3 * heads))
 
 
@@ -701,7 +716,8 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
         op = impl == "sdpa" and not training and not torch.is_grad_enabled() and not torch.compiler.is_exporting() \
             and attention_mask is not None and attention_mask.device.type == "cpu"
         layout = None if not op else "auto" if choice == "auto" else _forced_layout(choice)
-        return _traced_token_map(attention_mask, batch_shape, dtype, layout)
+        attention = "auto" if choice == "auto" else "matmul_attention" if "matmul_attention" in choice else "reference"
+        return _traced_token_map(attention_mask, batch_shape, dtype, layout, attention)
     if not (impl in ("eager", "sdpa") or flash):
         return None
     b, s = batch_shape
@@ -742,7 +758,10 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
 def _sequence_layout(choice, batch_shape, indices, lengths_t: torch.Tensor, lengths: list[int], heads: int,
                      head_dim: int, dtype) -> TokenMap:
     """Sequences of `lengths` (their tensor `lengths_t`), one after another, attended per sequence (on a CPU, where
-    `_layout_kernel` picks it) or on their masked grid."""
+    `_layout_kernel` picks it) or on their masked grid; sequences all of one length as their grid, unmasked and
+    without a slot map (one call, as a batch without padding attends: nothing to choose)."""
+    if lengths and lengths[0] > 0 and lengths.count(lengths[0]) == len(lengths):
+        return TokenMap(batch_shape, (len(lengths), lengths[0]), indices=indices)
     real = [n for n in lengths if n]
     if real and lengths_t.device.type == "cpu" and \
             _layout_kernel(choice, real, heads, head_dim, dtype) == "per_sequence_attention":
@@ -758,20 +777,23 @@ def _captures_dynamic_shapes() -> bool:
     return bool(torch._dynamo.config.capture_dynamic_output_shape_ops)
 
 
-def _traced_token_map(attention_mask, batch_shape, dtype, layout: str | None) -> TokenMap | None:
+def _traced_token_map(attention_mask, batch_shape, dtype, layout: str | None,
+                      attention: str = "auto") -> TokenMap | None:
     """The "layout" point while torch.compile traces: the real tokens of a padded batch, their count a size of the
-    graph known only when it runs, where dynamo is set to capture such ops (`torch._dynamo.config.
-    capture_dynamic_output_shape_ops = True`). Attention as one op (`varlen_attention`, laid out by `layout`: "auto"
-    or a forced layout) that reads the lengths when it runs; with no `layout` (training or gradients on: the op has
-    no backward; export; the "eager" attention: the formula's own code), on the padded batch as the grid (n, m) =
-    (b, s), masked. None otherwise: the padded batch (a data-dependent size would break the graph)."""
+    graph known only when it runs, where dynamo is set to capture such ops
+    (`torch._dynamo.config.capture_dynamic_output_shape_ops = True`). Attention as one op (`varlen_attention`, laid out
+    by `layout`: "auto" or a forced layout; SDPA or `matmul_attention` as `attention` says) that reads the lengths when
+    it runs; with no `layout` (training or gradients on: the op has no backward; export; the "eager" attention: the
+    formula's own code), on the padded batch as the grid (n, m) = (b, s), masked. None otherwise: the padded batch (a
+    data-dependent size would break the graph)."""
     if attention_mask is None or not _captures_dynamic_shapes():
         return None
     keep = attention_mask.bool()  # (b, s)
     indices = keep.flatten().nonzero().squeeze(1)  # (T,) row-major
     shape = tuple(batch_shape)
     if layout is not None:
-        return TokenMap(shape, (1, indices.size(0)), indices=indices, lengths=keep.sum(1), layout=layout)
+        return TokenMap(shape, (1, indices.size(0)), indices=indices, lengths=keep.sum(1), layout=layout,
+                        attention=attention)
     return TokenMap(shape, shape, _additive_mask(keep, dtype), indices=indices, grid_index=indices)
 
 
@@ -786,16 +808,60 @@ def _eager_bits_dropout(module, query, key, value, attention_mask, scaling: floa
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs  # (b, s, h, d)
 
 
+def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """softmax(QKᵀ·scaling + M) V as modeling_bert_impl.eager_attention_forward writes it (M additive), on q, k, v (n,
+    h, m, d) made contiguous (views of the fused projection make batched GEMMs copy per call): two batched GEMMs and a
+    softmax in their dtype (a bfloat16 softmax computes in float32 and rounds once, as the formula's float32 softmax
+    and its cast do). -> (n, m, h, d), contiguous (as SDPA's attention function returns it). At short sequences on a
+    CPU this can beat SDPA's fused kernel, which tiles for long ones; "auto" measures which."""
+    q, k, v = (t.contiguous() for t in (query, key, value))
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scaling)  # (n, h, m, m)
+    if mask is not None:
+        scores = scores.add_(mask)
+    return torch.matmul(scores.softmax(-1), v).transpose(1, 2).contiguous()
+
+
+def _attention_choice(choice, q: torch.Tensor, mask: torch.Tensor | None, candidates) -> str:
+    """Point "attention": "matmul_attention" or "reference" (SDPA) for inference attention on q (n, h, m, d) with
+    `mask` (additive, or None): forced, or the faster of `candidates()` ({name: fn() -> out}) on this call's
+    tensors, per (dtype, n, m, heads x head_dim, masked) class."""
+    if choice != "auto":
+        return "matmul_attention" if "matmul_attention" in choice else "reference"
+    n, h, m, d = q.shape
+    key = (f"attention|cpu|{str(q.dtype)[6:]}|n<={_bucket(n)}|m<={_bucket(m)}|{h}x{d}|"
+           f"{'unmasked' if mask is None else 'masked'}")
+    return _CHOICES.get(key, lambda: _fastest(candidates()))
+
+
+def _sdpa_or_matmul(choice, attend, scaling: float):
+    """`attend(q, k, v, mask)` -> (out (n, m, h, d), probs), SDPA's, with the "attention" point in front of it: where
+    it chooses "matmul_attention", that runs instead (probs None, as SDPA's)."""
+    def attention(q, k, v, mask):
+        candidates = lambda: {"reference": lambda: attend(q, k, v, mask)[0],  # noqa: E731
+                              "matmul_attention": lambda: matmul_attention(q, k, v, mask, scaling)}
+        if _attention_choice(choice, q, mask, candidates) == "matmul_attention":
+            return matmul_attention(q, k, v, mask, scaling), None
+        return attend(q, k, v, mask)
+    return attention
+
+
+def _matmul_applies(module, qkv: torch.Tensor, p: float, kwargs) -> bool:  # the "attention" point's conditions
+    return (p == 0 and module.config._attn_implementation == "sdpa" and not torch.is_grad_enabled()
+            and _plain_cpu(qkv) and not kwargs.get("output_attentions"))
+
+
 def attention_kernel(setting, module, qkv: torch.Tensor, tokens: TokenMap | None, attention_fn, mask,
                      kwargs) -> tuple | None:
     """Point "attention": attention over `tokens` (the "layout" kernels), and training attention with "bits_dropout"
     masks, which runs the formula (`_eager_bits_dropout`: SDPA's CPU kernels draw no dropout of their own); with
     neither, `attention_fn` on the padded batch, as the plain model calls it. qkv: (b, s, 3H) or (1, T, 3H).
-    Returns (out (b, s, h, d) or (1, T, h, d), probs)."""
+    In inference with SDPA, the "attention" point may run `matmul_attention` in its place. Returns (out (b, s, h, d)
+    or (1, T, h, d), probs)."""
     p = module.attention_dropout if module.training else 0.0
     h, d = module.num_heads, module.head_dim
     if tokens is not None and tokens.lengths is not None:  # traced, in inference: one op
-        return varlen_attention(qkv, tokens.lengths, h, module.scaling, tokens.layout), None
+        return varlen_attention(qkv, tokens.lengths, h, module.scaling, tokens.layout, tokens.attention), None
     if tokens is None:
         n, m, extra = qkv.size(0), qkv.size(1), {}
     else:
@@ -805,8 +871,11 @@ def attention_kernel(setting, module, qkv: torch.Tensor, tokens: TokenMap | None
     varlen = tokens is not None and bool(tokens.attention_kwargs)  # flash's own layout: its function, its dropout
     if p > 0 and not varlen and dropout_choice(setting, qkv, p, True, probs_shape) == "bits_dropout":
         attention_fn = _eager_bits_dropout
-    return _laid_out_attention(qkv, tokens, n, m, mask, h, d, lambda q, k, v, mask: attention_fn(
-        module, q, k, v, mask, scaling=module.scaling, dropout=p, **extra, **kwargs))
+    attend = lambda q, k, v, mask: attention_fn(  # noqa: E731
+        module, q, k, v, mask, scaling=module.scaling, dropout=p, **extra, **kwargs)
+    if tokens is not None and not varlen and _matmul_applies(module, qkv, p, kwargs):
+        attend = _sdpa_or_matmul(parse_setting(setting), attend, module.scaling)
+    return _laid_out_attention(qkv, tokens, n, m, mask, h, d, attend)
 
 
 def _laid_out_attention(qkv: torch.Tensor, tokens: TokenMap | None, n: int, m: int, mask, h: int, d: int, attend):

@@ -198,7 +198,8 @@ def test_kernels_setting_is_validated_and_parsed():
     assert K.parse_setting("fused_activation") == frozenset({"fused_activation", "onednn_linear"})
     assert K.parse_setting("packed_linear") == frozenset({"packed_linear", "onednn_linear"})
     assert set(K.KERNELS) == {"onednn_linear", "fused_activation", "packed_linear", "skip_zero_rows", "bits_dropout",
-                              "unpadded", "per_sequence_attention", "grid_attention"}
+                              "unpadded", "per_sequence_attention", "grid_attention", "matmul_attention"}
+    assert K.parse_setting("matmul_attention") == frozenset({"matmul_attention", "unpadded"})
     old = hf_bert_impl.BertImplConfig.from_preset("debug", kernels="onednn_linear", sparse_prediction=True,
                                                   onednn_linear=True, unpad_inputs=False)
     assert not {"kernels", "sparse_prediction", "onednn_linear", "unpad_inputs"} & set(old.to_dict())
@@ -1519,10 +1520,12 @@ def run(steps=3):
 
 # The points, their candidates (names kernels= takes, or "reference") and the shape of their keys.
 _CANDIDATES = {"linear": {"reference", "onednn_linear", "fused_activation", "packed_linear"},
-               "dropout": {"reference", "bits_dropout"}, "layout": {"per_sequence_attention", "grid_attention"}}
+               "dropout": {"reference", "bits_dropout"}, "layout": {"per_sequence_attention", "grid_attention"},
+               "attention": {"reference", "matmul_attention"}}
 _KEY = re.compile(r"(linear\|cpu\|(float32|bfloat16)\|\d+x\d+\|rows<=\d+\|(train|infer|infer-frozen)\|\w+"
                   r"|dropout\|cpu\|(float32|bfloat16)\|numel<=\d+"
-                  r"|layout\|cpu\|(float32|bfloat16)\|n<=\d+\|m<=\d+\|\d+x\d+)")
+                  r"|layout\|cpu\|(float32|bfloat16)\|n<=\d+\|m<=\d+\|\d+x\d+"
+                  r"|attention\|cpu\|(float32|bfloat16)\|n<=\d+\|m<=\d+\|\d+x\d+\|(masked|unmasked))")
 
 
 def _auto_run(monkeypatch):
@@ -1561,7 +1564,7 @@ def fresh_choices(monkeypatch, tmp_path):
     return path
 
 
-def _assert_valid_choices(chosen: dict, points=tuple(_CANDIDATES)):
+def _assert_valid_choices(chosen: dict, points=("linear", "dropout", "layout")):
     """Every key names a point, the device, dtype and shape class; every value is a candidate of its point; each of
     `points` is seen."""
     assert set(points) <= {key.split("|")[0] for key in chosen}, chosen
@@ -1577,7 +1580,7 @@ def test_auto_choices_are_recorded_and_a_fresh_process_reuses_them_bit_for_bit(f
     record measures nothing and makes the same choices, and its seeded training run with dropout gives the same losses
     bit for bit (measuring draws nothing from the run's random stream)."""
     first = _auto_run(monkeypatch)
-    _assert_valid_choices(first["chosen"])
+    _assert_valid_choices(first["chosen"], tuple(_CANDIDATES))  # the inference call's SDPA: the "attention" point
     assert first["chosen"] == K.chosen_kernels() and first["seconds"] == K.measurement_seconds() > 0
     assert first["timed"] >= len(first["chosen"])  # at least one timing per choice
     assert any("|train|" in key for key in first["chosen"]) and any("|infer|" in key for key in first["chosen"])
@@ -1955,19 +1958,22 @@ def test_compile_dynamic_does_not_recompile_per_length(debug_config, fresh_dynam
     assert fresh_dynamo["stats"]["unique_graphs"] == 1
 
 
-@pytest.mark.parametrize("captures,attention", [(True, "sdpa"), (True, "eager"), (False, "sdpa")],
-                         ids=["captures_sizes", "captures_sizes_eager_attention", "default"])
+@pytest.mark.parametrize("captures,attention,kernels", [(True, "sdpa", "auto"), (True, "eager", "auto"),
+                                                       (False, "sdpa", "auto"), (True, "sdpa", "matmul_attention")],
+                         ids=["captures_sizes", "captures_sizes_eager_attention", "default", "matmul_attention"])
 def test_compile_keeps_the_unpadded_layout_where_dynamo_captures_data_dependent_sizes(debug_config, fresh_dynamo,
-                                                                                      captures, attention):
+                                                                                      monkeypatch, captures,
+                                                                                      attention, kernels):
     """torch.compile (not fullgraph) of a kernelized model: with dynamo's capture_dynamic_output_shape_ops the layers
     run on the real tokens (the graph holds the nonzero that finds them; their count a size known only at run time)
     and, with SDPA attention, attend per sequence through one op (hf_bert_impl::varlen_attention, which reads the
     lengths when it runs; "eager" attention runs the formula on the padded grid), otherwise the plain model's padded
     graph; either way one graph, no break, no recompile when the padding changes (a row of padding alone included),
-    and the outputs of eager at every real token. With gradients on, a second graph without the op (it has no
-    backward), through which backward runs."""
+    and the outputs of eager at every real token; with "matmul_attention" forced the op runs it in every layer. With
+    gradients on, a second graph without the op (it has no backward), through which backward runs."""
     torch.manual_seed(0)
-    model = _model(BertImplModel, debug_config(attn_implementation=attention), "auto").eval()
+    model = _model(BertImplModel, debug_config(attn_implementation=attention), kernels).eval()
+    matmuls = _spy_matmul_attention(monkeypatch)
     graphs = []
 
     def backend(gm, example_inputs):  # dynamo's graphs, run as traced
@@ -1987,6 +1993,9 @@ def test_compile_keeps_the_unpadded_layout_where_dynamo_captures_data_dependent_
     assert any("nonzero" in t for t in targets) == captures
     assert sum("varlen_attention" in t for t in targets) == (model.config.num_hidden_layers
                                                              if captures and attention == "sdpa" else 0)
+    if kernels == "matmul_attention":  # per layer: each non-empty sequence in the op (compiled) and in eager, where
+        # sequences all of one length attend as one grid: 3 + 3, 3 + 3, 1 + 1, 2 + 2 calls in the four rounds
+        assert len(matmuls) == model.config.num_hidden_layers * (6 + 6 + 2 + 4)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=captures):  # gradients on: no op (no backward)
         compiled(ids, attention_mask=mask).last_hidden_state[mask.bool()].sum().backward()
     assert len(graphs) == 2 and not any("varlen_attention" in str(node.target) for node in graphs[1].graph.nodes)
@@ -2065,23 +2074,171 @@ def test_the_linear_op_matches_f_linear_and_traces_on_fake_tensors():
         assert K.onednn_linear(mode.from_tensor(x), mode.from_tensor(w), None, "none").shape == (2, 5, 3)
 
 
+@pytest.mark.parametrize("lengths", [[3, 0, 5, 1], [6], [4, 4]], ids=["mixed", "one", "equal"])
+@pytest.mark.parametrize("attention", ["auto", "matmul_attention", "reference"])
 @pytest.mark.parametrize("layout", ["per_sequence_attention", "grid_attention", "auto"])
-def test_the_varlen_attention_op_attends_within_each_sequence_and_traces_on_fake_tensors(fresh_choices, layout):
-    """hf_bert_impl::varlen_attention on sequences laid one after another (one of them empty): each sequence's SDPA
-    alone, per sequence or on the masked grid (or "auto"'s pick), within ATOL; its fake (meta) form's shape, which
-    torch.compile traces with; torch.library's own checks of a custom op pass."""
+def test_the_varlen_attention_op_attends_within_each_sequence_and_traces_on_fake_tensors(fresh_choices, monkeypatch,
+                                                                                         layout, attention, lengths):
+    """hf_bert_impl::varlen_attention on sequences laid one after another (one of them empty; a single one; two of one
+    length, which attend as one grid): each sequence's SDPA alone, per sequence or on the masked grid (or "auto"'s
+    pick), by SDPA or matmul_attention as `attention` says (or "auto"'s pick), within ATOL; the output contiguous, as
+    its fake (meta) form, which torch.compile traces with, says (inductor checks the strides); torch.library's own
+    checks of a custom op pass."""
+    calls, matmul = [], K.matmul_attention
+    monkeypatch.setattr(K, "matmul_attention", lambda *a: calls.append(a[0].shape) or matmul(*a))
     g = torch.Generator().manual_seed(0)
-    heads, d, lengths = 2, 4, [3, 0, 5, 1]
+    heads, d = 2, 4
     qkv = torch.randn(1, sum(lengths), 3 * heads * d, generator=g)
-    got = K.varlen_attention(qkv, torch.tensor(lengths), heads, 0.5, layout)  # (1, T, h, d)
+    got = K.varlen_attention(qkv, torch.tensor(lengths), heads, 0.5, layout, attention)  # (1, T, h, d)
     want = torch.cat([F.scaled_dot_product_attention(*part.view(1, n, 3, heads, d).permute(2, 0, 3, 1, 4), scale=0.5)
                       .transpose(1, 2) for part, n in zip(qkv.split(lengths, 1), lengths)], 1)
-    assert got.shape == (1, sum(lengths), heads, d)
+    assert got.shape == (1, sum(lengths), heads, d) and got.is_contiguous()
     assert (got - want).abs().max().item() <= ATOL
-    torch.library.opcheck(K.varlen_attention, (qkv, torch.tensor(lengths), heads, 0.5, layout))
+    if attention != "auto":  # one call per sequence or one on the grid ("auto": also while measuring)
+        per_sequence = sum(n > 0 for n in lengths) if len(set(lengths)) > 1 else 1
+        assert len(calls) == (0 if attention == "reference" else per_sequence if layout == "per_sequence_attention"
+                              else 1 if layout == "grid_attention" else len(calls) and len(calls) in (1, per_sequence))
+    torch.library.opcheck(K.varlen_attention, (qkv, torch.tensor(lengths), heads, 0.5, layout, attention))
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake = K.varlen_attention(mode.from_tensor(qkv), mode.from_tensor(torch.tensor(lengths)), heads, 0.5, layout)
+        fake = K.varlen_attention(mode.from_tensor(qkv), mode.from_tensor(torch.tensor(lengths)), heads, 0.5, layout,
+                                  attention)
     assert fake.shape == got.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# Point "attention": matmul_attention in place of SDPA in inference
+
+
+def _qkv_views(n, h, m, d, dtype, seed=0):
+    """q, k, v (n, h, m, d) as the model makes them: views into one fused projection (n, m, 3·h·d)."""
+    qkv = torch.randn(n, m, 3 * h * d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return qkv.unflatten(-1, (3, h, d)).permute(2, 0, 3, 1, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_matmul_attention_is_the_formula_and_agrees_with_sdpa(dtype, masked):
+    """matmul_attention on views of a fused projection (a padded grid's additive mask, or none) gives the formula's
+    numbers (modeling_bert_impl.eager_attention_forward: its float32 softmax rounded once) and SDPA's: float32 within
+    1e-6 and ATOL, bfloat16 within the kernel tolerance (TOLERANCE: 1e-2 of the largest magnitude) of both."""
+    q, k, v = _qkv_views(3, 2, 9, 8, dtype)
+    lengths = torch.tensor([9, 4, 1])
+    mask = K._additive_mask(torch.arange(9)[None] < lengths[:, None], dtype) if masked else None
+    got = K.matmul_attention(q, k, v, mask, 0.35)  # (n, m, h, d)
+    formula, _ = mb.eager_attention_forward(nn.Module().eval(), q, k, v, mask, scaling=0.35)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.35).transpose(1, 2)
+    assert got.shape == formula.shape == (3, 9, 2, 8) and got.dtype == dtype
+    for want, tol in ((formula, 1e-6), (sdpa, ATOL)):
+        tol = tol if dtype == torch.float32 else K.TOLERANCE[dtype] * want.abs().max().item()
+        real = (torch.arange(9)[None] < lengths[:, None]) if masked else torch.ones(3, 9, dtype=torch.bool)
+        assert (got.float() - want.float())[real].abs().max().item() <= tol
+
+
+def _spy_matmul_attention(monkeypatch) -> list:
+    calls, matmul = [], K.matmul_attention
+    monkeypatch.setattr(K, "matmul_attention", lambda *a: calls.append(tuple(a[0].shape)) or matmul(*a))
+    return calls
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_forced_matmul_attention_runs_in_inference_and_matches_the_plain_model(debug_config, batch, monkeypatch,
+                                                                               attention_layout, padded):
+    """kernels "matmul_attention" (with each layout; alone it implies "unpadded"): in inference with SDPA each layer's
+    attention runs it, once per sequence or once on the grid (once on the batch when nothing is padded), and the
+    outputs are the plain model's within ATOL; with gradients on, in training, with "eager" attention or while
+    attentions are recorded it never runs (SDPA, the formula or the plain path do)."""
+    torch.manual_seed(0)
+    config = debug_config(attn_implementation="sdpa")
+    model = _model(BertImplModel, config, f"matmul_attention,{attention_layout}").eval()
+    plain = _plain(model)
+    input_ids, attention_mask, token_type_ids = batch
+    if not padded:
+        attention_mask = torch.ones_like(attention_mask)
+    calls = _spy_matmul_attention(monkeypatch)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+        want = plain(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+    per_layer = len(input_ids) if padded and attention_layout == "per_sequence_attention" else 1
+    assert len(calls) == config.num_hidden_layers * per_layer
+    assert _max_diff_real(got, want, attention_mask) <= ATOL
+    calls.clear()
+    grad = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state  # grads on
+    model.train()(input_ids, attention_mask=attention_mask)
+    with torch.no_grad():
+        model.eval()(input_ids, attention_mask=attention_mask, output_attentions=True)
+        eager = _model(BertImplModel, debug_config(attn_implementation="eager"), "matmul_attention").eval()
+        eager(input_ids, attention_mask=attention_mask)
+    assert calls == []
+    assert _max_diff_real(grad.detach(), want, attention_mask) <= ATOL
+    assert K.parse_setting("matmul_attention") >= {"unpadded"}
+    alone = _forced(model, "matmul_attention")
+    with torch.no_grad():
+        assert _max_diff_real(alone(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+                              .last_hidden_state, want, attention_mask) <= ATOL
+    assert len(calls) == config.num_hidden_layers * (len(input_ids) if padded else 1)  # per sequence: "unpadded"'s
+
+
+def test_sequences_of_one_length_attend_as_one_unmasked_grid(debug_config, batch, monkeypatch, attention_layout):
+    """Sequences all of one length (a padded batch whose rows are equally long, or a packed row of equal sequences)
+    attend in one call on their (n, m) grid, unmasked and with no slot map, whatever layout is set; the outputs are
+    the plain model's within ATOL."""
+    for indices in (torch.arange(12), None):
+        tokens = K._sequence_layout(K.parse_setting(attention_layout), (3, 6) if indices is not None else (1, 12),
+                                    indices, torch.tensor([4, 4, 4]), [4, 4, 4], 2, 4, torch.float32)
+        assert tokens.grid == (3, 4) and tokens.mask is None and tokens.unpadded
+        assert tokens.seq_lengths is None and tokens.grid_index is None
+    torch.manual_seed(0)
+    config = debug_config(attn_implementation="sdpa")
+    model = _model(BertImplModel, config, f"matmul_attention,{attention_layout}").eval()
+    input_ids, attention_mask, token_type_ids = batch
+    attention_mask = (torch.arange(attention_mask.size(1)) < 5).long().expand_as(attention_mask)  # 5 of 7 each
+    calls = _spy_matmul_attention(monkeypatch)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+        want = _plain(model)(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    heads = config.num_attention_heads
+    assert calls == [(len(input_ids), heads, 5, config.hidden_size // heads)] * config.num_hidden_layers
+    assert _max_diff_real(got, want.last_hidden_state, attention_mask) <= ATOL
+
+
+@pytest.mark.parametrize("faster", ["matmul_attention", "reference"])
+def test_auto_attention_takes_the_faster_of_sdpa_and_matmul_attention(debug_config, batch, fresh_choices,
+                                                                      monkeypatch, faster):
+    """"auto" at the attention point, its timing rigged so that `faster` wins: the inference forward records that
+    choice per (dtype, sequences, length, heads x head_dim, masked) class, runs it in every layer, and agrees with the
+    plain model; a disagreeing candidate is never chosen, however fast."""
+    calls = _spy_matmul_attention(monkeypatch)
+
+    def rigged(fn, reps=3, warm=False):  # which kernel `fn` runs decides its time
+        before = len(calls)
+        fn()
+        return 0.0 if (len(calls) > before) == (faster == "matmul_attention") else 1.0
+
+    monkeypatch.setattr(K, "_median_seconds", rigged)
+    torch.manual_seed(0)
+    config = debug_config(attn_implementation="sdpa")
+    model = _model(BertImplModel, config, "auto").eval()
+    input_ids, attention_mask, token_type_ids = batch
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+        want = _plain(model)(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    assert _max_diff_real(got, want.last_hidden_state, attention_mask) <= ATOL
+    chosen = {k: v for k, v in K.chosen_kernels().items() if k.startswith("attention|")}
+    assert chosen and set(chosen.values()) == {faster}, chosen
+    assert all(k.endswith(("|masked", "|unmasked")) and "|float32|" in k and "|4x8|" in k for k in chosen)
+    calls.clear()
+    monkeypatch.setattr(K, "_median_seconds", lambda *a, **k: pytest.fail("a made choice was measured again"))
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    assert (len(calls) >= config.num_hidden_layers) == (faster == "matmul_attention")
+    monkeypatch.setattr(K, "_CHOICES", K._Choices())  # a wrong matmul_attention is never chosen
+    monkeypatch.setattr(K, "_median_seconds", rigged)
+    monkeypatch.setattr(K, "matmul_attention", lambda q, k, v, mask, scaling: calls.append(1) or torch.zeros_like(
+        q.transpose(1, 2)))
+    q, k, v = _qkv_views(2, 4, 7, 8, torch.float32)
+    candidates = lambda: {"reference": lambda: F.scaled_dot_product_attention(q, k, v).transpose(1, 2),  # noqa: E731
+                          "matmul_attention": lambda: K.matmul_attention(q, k, v, None, 8 ** -0.5)}
+    assert K._attention_choice("auto", q, None, candidates) == "reference"
 
 
 # ---------------------------------------------------------------------------------------------
