@@ -14,7 +14,9 @@ LoRA layer, a quantized linear) or hooked runs its own forward. The kernels, by 
   nn.Linear            "onednn_linear": oneDNN's GEMM (the one          F.linear (torch's BLAS)
                        torch.compile's CPU backend emits)
   MLP, MLM head        "fused_activation": GELU / ReLU inside           act(Linear(x))
-                       oneDNN's float32 GEMM (inference)
+                       oneDNN's float32 or bfloat16 GEMM
+                       (inference; bfloat16: applied before the
+                       output's rounding, not after)
   nn.Linear, MLP,      "packed_linear" (inference; "auto" only with     F.linear, act(Linear(x))
   MLM head             `frozen=True`): oneDNN's GEMM on the weight
                        reordered once into its blocked layout, kept
@@ -481,8 +483,9 @@ def _packed_gemm(x, packed, b, act, grad: bool) -> torch.Tensor:  # act(x Wᵀ +
     return y if act is None else act(y)
 
 
-def _fusable(act, grad: bool, dtype) -> bool:  # an unhooked GELU / ReLU after a float32 GEMM in inference
-    return (act is not None and not grad and dtype == torch.float32 and type(act).__name__ in _POST_OPS
+def _fusable(act, grad: bool, dtype) -> bool:  # an unhooked GELU / ReLU after a float32 or bfloat16 GEMM in inference
+    return (act is not None and not grad and dtype in (torch.float32, torch.bfloat16)
+            and type(act).__name__ in _POST_OPS
             and not (act._forward_hooks or act._forward_pre_hooks))  # a hooked activation must run itself
 
 

@@ -395,9 +395,8 @@ def test_float32_inference_runs_the_activation_inside_the_gemm(debug_config, bat
 
 @needs_onednn
 def test_the_activation_stays_after_the_gemm_where_it_must(debug_config, batch, monkeypatch):
-    """"fused_activation" forced, yet not fused: with grad (the backward needs the pre-activation), in bfloat16
-    (rounded as transformers rounds), for an activation oneDNN has no post-op for (silu), and on a hooked activation
-    module, whose hook still sees its output."""
+    """"fused_activation" forced, yet not fused: with grad (the backward needs the pre-activation), for an activation
+    oneDNN has no post-op for (silu), and on a hooked activation module, whose hook still sees its output."""
     input_ids, attention_mask, _ = batch
     calls = _spy_fused_activations(monkeypatch)
     model = _model(BertImplForMaskedLM, debug_config(), "fused_activation").eval()
@@ -405,8 +404,6 @@ def test_the_activation_stays_after_the_gemm_where_it_must(debug_config, batch, 
     with torch.no_grad():
         silu = _model(BertImplForMaskedLM, debug_config(hidden_act="silu"), "fused_activation").eval()
         silu(input_ids, attention_mask)
-        if K._onednn_runs(torch.bfloat16):
-            copy.deepcopy(model).bfloat16()(input_ids, attention_mask)
         assert calls == []
         expected = model(input_ids, attention_mask).logits
         seen = []
@@ -416,6 +413,28 @@ def test_the_activation_stays_after_the_gemm_where_it_must(debug_config, batch, 
     # unhooked: L + 1 fused calls; hooked: L (layer 0 not)
     assert calls == ["gelu"] * (2 * model.config.num_hidden_layers + 1)
     assert (hooked - expected).abs().max().item() == 0.0  # the erf GELU fused or not: bit for bit
+
+
+@needs_onednn
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_a_bf16_activation_inside_the_gemm_keeps_the_bf16_rule(act, monkeypatch):
+    """"fused_activation" in bfloat16 inference: the activation runs inside oneDNN's GEMM (on the float32 accumulator,
+    before the output is rounded), and its error against the float32 layer stays within 3x that of the unfused bfloat16
+    layer (F.linear then the activation, as transformers runs it), the project's bf16 rule."""
+    if not K._onednn_runs(torch.bfloat16):
+        pytest.skip("oneDNN cannot compute in bfloat16 here")
+    calls = _spy_fused_activations(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    layer, activation = nn.Linear(64, 96), ACT2FN[act]
+    x = torch.randn(33, 64, generator=g)
+    exact = activation(layer(x))
+    layer16 = copy.deepcopy(layer).bfloat16()
+    with torch.no_grad():
+        fused = K.linear_kernel("fused_activation", layer16, x.bfloat16(), activation)
+        unfused = activation(layer16(x.bfloat16()))
+    assert calls == [{"gelu_pytorch_tanh": "gelu"}.get(act, act)] and fused.dtype == torch.bfloat16
+    error, own = ((t.float() - exact).abs().max().item() for t in (fused, unfused))
+    assert 0 < own and error <= 3 * own + 1e-6
 
 
 needs_packing = pytest.mark.skipif(not K._packs(torch.float32),
@@ -1789,7 +1808,7 @@ def test_auto_never_chooses_a_kernel_that_disagrees_with_the_reference(debug_con
 
 def test_auto_candidates_are_only_kernels_that_apply():
     """The linear candidates: the reference always; oneDNN where its op computes the backward's transposed GEMM right;
-    the fused activation only for an unhooked GELU / ReLU in float32 inference (`_fusable`)."""
+    the fused activation only for an unhooked GELU / ReLU in float32 or bfloat16 inference (`_fusable`)."""
     from transformers.activations import ACT2FN
 
     x, w, b = torch.randn(5, 8), torch.randn(6, 8), torch.randn(6)
@@ -1800,7 +1819,8 @@ def test_auto_candidates_are_only_kernels_that_apply():
     assert set(K._linear_candidates(x, w, b, gelu, True)) == {"reference"} | onednn
     assert set(K._linear_candidates(x, w, b, silu, False)) == {"reference"} | onednn
     assert set(K._linear_candidates(x.half(), w.half(), b.half(), gelu, False)) == {"reference"}
-    assert K._fusable(gelu, False, torch.float32) and not K._fusable(gelu, False, torch.bfloat16)
+    assert K._fusable(gelu, False, torch.float32) and K._fusable(gelu, False, torch.bfloat16)
+    assert not K._fusable(gelu, False, torch.float16) and not K._fusable(gelu, True, torch.bfloat16)
     hooked = type(gelu)()
     hooked.register_forward_hook(lambda *a: None)
     assert not K._fusable(hooked, False, torch.float32) and not K._fusable(None, False, torch.float32)
