@@ -258,7 +258,7 @@ def _try_agrees(fn, ref) -> bool:
 
 
 def _plain_cpu(*tensors) -> bool:  # kernels run on plain CPU tensors outside tracing (compile, export, jit, DTensor)
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors) and not (
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cpu for t in tensors) and not (
         torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
         or torch.onnx.is_in_onnx_export())
 
@@ -489,6 +489,10 @@ def _fusable(act, grad: bool, dtype) -> bool:  # an unhooked GELU / ReLU after a
             and not (act._forward_hooks or act._forward_pre_hooks))  # a hooked activation must run itself
 
 
+def _in(t: torch.Tensor | None, dtype) -> torch.Tensor | None:  # t in `dtype` (a no-op `.to` costs a dispatch too)
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: bool = False,
                   frozen: bool = False) -> torch.Tensor | None:
     """Point "linear" (and "decoder" where `skip_zero_rows`): act(x Wᵀ + b) by a kernel, or None for the reference.
@@ -504,7 +508,7 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
     dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype  # the dtype the GEMM runs in
     if dtype not in TOLERANCE or not (x.dtype == w.dtype or autocast and {x.dtype, w.dtype} <= set(TOLERANCE)):
         return None
-    xc, bc, rows = x.to(dtype), None if b is None else b.to(dtype), x.numel() // x.size(-1)
+    xc, bc, rows = _in(x, dtype), _in(b, dtype), x.numel() // x.size(-1)
     fusable = _fusable(act, grad, dtype)
     if choice == "auto":
         pack = frozen and not grad
@@ -528,13 +532,16 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
     if cast_buffer:  # kept buffer (a fresh copy per call can cost more)
         buffers, shape = vars(_CAST_BUFFERS), (tuple(w.shape), dtype)
         wc = buffers[shape] if shape in buffers else buffers.setdefault(shape, w.new_empty(w.shape, dtype=dtype))
-    wc = wc.copy_(w) if cast_buffer else w.to(dtype)
+    wc = wc.copy_(w) if cast_buffer else _in(w, dtype)
     skip = skip_zero_rows and grad and (choice == "auto" or "skip_zero_rows" in choice)
     if name == "fused_activation":
         return _onednn_op()(xc, wc, bc, *_POST_OPS[type(act).__name__])
     if name == "reference" and not skip:
         return None
-    y = _LinearFunction.apply(xc, wc, bc, name == "onednn_linear", skip)
+    if grad:
+        y = _LinearFunction.apply(xc, wc, bc, name == "onednn_linear", skip)
+    else:  # its forward, without autograd.Function's per-call cost (binding the arguments to its signature)
+        y = _LinearFunction.forward(xc, wc, bc, name == "onednn_linear", False)
     return y if act is None else act(y)
 
 

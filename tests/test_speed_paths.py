@@ -98,10 +98,11 @@ needs_onednn_bf16 = pytest.mark.skipif(not K._onednn_runs(torch.bfloat16),
 
 
 def _spy_onednn_linear(monkeypatch, record=lambda x: 1) -> list:
-    """Records `record(input)` for each linear layer call that runs on oneDNN (`_LinearFunction`, onednn=True)."""
-    calls, apply = [], K._LinearFunction.apply
-    monkeypatch.setattr(K._LinearFunction, "apply",
-                        lambda *a: (calls.append(record(a[0])) if a[3] else None) or apply(*a))
+    """Records `record(input)` for each linear layer call that runs on oneDNN (`_LinearFunction`'s forward with
+    onednn=True: through `apply` with gradients on, called directly without)."""
+    calls, forward = [], K._LinearFunction.forward
+    monkeypatch.setattr(K._LinearFunction, "forward",
+                        staticmethod(lambda *a: (calls.append(record(a[0])) if a[3] else None) or forward(*a)))
     return calls
 
 
@@ -391,6 +392,28 @@ def test_float32_inference_runs_the_activation_inside_the_gemm(debug_config, bat
     assert diff == 0.0 if act == "gelu" else diff <= 1e-6
     assert (fused - reference).abs().max().item() <= ATOL
     assert _max_diff_real(fused, theirs, attention_mask) <= ATOL
+
+
+@needs_onednn
+def test_inference_linears_skip_autograd_function_and_training_ones_keep_it(debug_config, batch, monkeypatch):
+    """oneDNN's linear without gradients runs `_LinearFunction`'s forward directly (autograd.Function.apply binds its
+    arguments to the signature at every call, a cost a batch-1 request feels), with gradients through `apply` (its
+    backward); the outputs are the plain model's within ATOL either way."""
+    forwards = _spy_onednn_linear(monkeypatch)
+    applies = _spy_linear_function(monkeypatch)
+    torch.manual_seed(0)
+    model = _model(BertImplModel, debug_config(), "onednn_linear").eval()
+    input_ids, attention_mask, _ = batch
+    want = _plain(model)(input_ids, attention_mask=attention_mask).last_hidden_state.detach()
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=attention_mask).last_hidden_state
+    linears = 4 * model.config.num_hidden_layers + 1  # each layer's four and the pooler (no MLM head here)
+    assert len(forwards) == linears and applies == []
+    assert _max_diff_real(got, want, attention_mask) <= ATOL
+    forwards.clear()
+    got = model(input_ids, attention_mask=attention_mask).last_hidden_state
+    assert len(applies) == len(forwards) == linears
+    assert _max_diff_real(got.detach(), want, attention_mask) <= ATOL
 
 
 @needs_onednn
