@@ -684,6 +684,10 @@ def _(qkv, lengths, heads, scaling, layout, attention="auto"):
     return qkv.new_empty(1, qkv.size(1), heads, qkv.size(-1) // (3 * heads))
 
 
+def _forced_attention(choice) -> str:  # a forced setting's attention: matmul_attention where named, else SDPA
+    return "matmul_attention" if "matmul_attention" in choice else "reference"
+
+
 def _forced_layout(choice) -> str:  # a forced setting's layout: the grid where it alone of the two is named
     grid = "grid_attention" in choice and "per_sequence_attention" not in choice
     return "grid_attention" if grid else "per_sequence_attention"
@@ -726,7 +730,7 @@ def token_map_kernel(setting, config, attention_mask, position_ids, batch_shape,
         op = impl == "sdpa" and not training and not torch.is_grad_enabled() and not torch.compiler.is_exporting() \
             and attention_mask is not None and attention_mask.device.type == "cpu"
         layout = None if not op else "auto" if choice == "auto" else _forced_layout(choice)
-        attention = "auto" if choice == "auto" else "matmul_attention" if "matmul_attention" in choice else "reference"
+        attention = "auto" if choice == "auto" else _forced_attention(choice)
         return _traced_token_map(attention_mask, batch_shape, dtype, layout, attention)
     if not (impl in ("eager", "sdpa") or flash):
         return None
@@ -837,7 +841,7 @@ def _attention_choice(choice, q: torch.Tensor, mask: torch.Tensor | None, candid
     `mask` (additive, or None): forced, or the faster of `candidates()` ({name: fn() -> out}) on this call's
     tensors, per (dtype, n, m, heads x head_dim, masked) class."""
     if choice != "auto":
-        return "matmul_attention" if "matmul_attention" in choice else "reference"
+        return _forced_attention(choice)
     n, h, m, d = q.shape
     key = (f"attention|cpu|{str(q.dtype)[6:]}|n<={_bucket(n)}|m<={_bucket(m)}|{h}x{d}|"
            f"{'unmasked' if mask is None else 'masked'}")

@@ -2127,8 +2127,7 @@ def test_the_varlen_attention_op_attends_within_each_sequence_and_traces_on_fake
     pick), by SDPA or matmul_attention as `attention` says (or "auto"'s pick), within ATOL; the output contiguous, as
     its fake (meta) form, which torch.compile traces with, says (inductor checks the strides); torch.library's own
     checks of a custom op pass."""
-    calls, matmul = [], K.matmul_attention
-    monkeypatch.setattr(K, "matmul_attention", lambda *a: calls.append(a[0].shape) or matmul(*a))
+    calls = _spy_matmul_attention(monkeypatch)
     g = torch.Generator().manual_seed(0)
     heads, d = 2, 4
     qkv = torch.randn(1, sum(lengths), 3 * heads * d, generator=g)
