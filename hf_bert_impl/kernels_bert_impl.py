@@ -52,10 +52,10 @@ under a file lock that is given up after `LOCK_TIMEOUT_S` (the choices are then 
 of one machine and later seeded runs make the same choices. `chosen_kernels()` returns them; the logger
 "hf_bert_impl.kernels" says each one; `kernelized(model)` lists the modules and their kernels. The linear and dropout
 kernels run on plain CPU tensors outside torch.compile, export and tracing (there the reference runs), except that
-under torch.compile inference's linear layers keep the GEMM "auto" chose, oneDNN's as one op (`onednn_linear`); the
-unpadded layout runs on accelerators too (a compact grid, or flash-attention's varlen arguments), and under
-torch.compile where dynamo is set to capture data-dependent sizes
-(`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the layers on the real tokens; in inference (no
+under torch.compile inference's linear layers keep the GEMM "auto" chose, oneDNN's as one op (`onednn_linear`, or
+`packed_linear` on the packed weights of a frozen model); the unpadded layout runs on accelerators too (a compact
+grid, or flash-attention's varlen arguments), and under torch.compile where dynamo is set to capture data-dependent
+sizes (`torch._dynamo.config.capture_dynamic_output_shape_ops = True`: the layers on the real tokens; in inference (no
 gradients) on a CPU with SDPA attention, attention laid out as in eager inside one op, `varlen_attention`, elsewhere on
 the padded grid; otherwise the padded batch, as the plain model runs it).
 """
@@ -346,9 +346,36 @@ def _(x, weight, bias, activation):
     return x.new_empty((*x.shape[:-1], weight.size(0)))
 
 
+# id() -> each nn.Linear kernelize put a kernel on: `packed_linear` in a compiled graph finds its layer by this number
+_KERNELIZED_LINEARS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("hf_bert_impl::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                  layer: int) -> torch.Tensor:
+    """`onednn_linear` on the weight packed once, in a torch.compile graph of a frozen model: `layer` is id() of the
+    nn.Linear `weight` belongs to, whose packed copy is the one eager runs (`_packed_weight`: made at the first
+    call, again when the weight changes). A weight that is not that layer's own runs as passed, unpacked (the same
+    numbers). (Inductor's own weight freezing fails on the unpadded graph, whose token count is data-dependent.)"""
+    module = _KERNELIZED_LINEARS.get(layer)
+    if module is not None and module.weight is weight:
+        weight = _packed_weight(module, weight, x.dtype)
+    return _onednn_op()(x, weight, bias, *_POST_OPS.get(activation, ("none", [], "")))
+
+
+@packed_linear.register_fake
+def _(x, weight, bias, activation, layer):
+    return x.new_empty((*x.shape[:-1], weight.size(0)))
+
+
 @torch.compiler.assume_constant_result  # asked on real tensors once while tracing, a constant of the graph
 def _onednn_runs_traced(dtype) -> bool:
     return _onednn_runs(dtype)
+
+
+@torch.compiler.assume_constant_result  # asked on real tensors once while tracing, a constant of the graph
+def _packs_traced(dtype) -> bool:
+    return _packs(dtype)
 
 
 TRACED_ROWS = 1024  # the shape class "auto" takes for a compiled linear layer: its row count is often a size of the
@@ -357,12 +384,12 @@ TRACED_ROWS = 1024  # the shape class "auto" takes for a compiled linear layer: 
 
 
 @torch.compiler.assume_constant_result  # measured on real tensors once while tracing, a constant of the graph
-def _traced_choice(out_in: tuple, dtype, act: str, bias: bool, rows: int) -> str:
+def _traced_choice(out_in: tuple, dtype, act: str, bias: bool, rows: int, frozen: bool = False) -> str:
     """"auto"'s choice for an inference linear layer (weight (out, in), `act` its activation's class name or "none")
-    inside a torch.compile graph: the eager choice of that (dtype, shape class, activation), from this process or the
-    record, else measured as eager measures it, on seeded random inputs of that shape (timing does not depend on the
-    values; the candidates are checked against F.linear on them)."""
-    key = _linear_key(dtype, out_in, rows, "infer", act)
+    inside a torch.compile graph: the eager choice of that (dtype, shape class, activation, `frozen`), from this
+    process or the record, else measured as eager measures it, on seeded random inputs of that shape (timing does not
+    depend on the values; the candidates are checked against F.linear on them)."""
+    key = _linear_key(dtype, out_in, rows, "infer-frozen" if frozen else "infer", act)
 
     def measure():
         g = torch.Generator().manual_seed(0)
@@ -370,17 +397,17 @@ def _traced_choice(out_in: tuple, dtype, act: str, bias: bool, rows: int) -> str
         b = torch.randn(out_in[0], generator=g).to(dtype) if bias else None
         fusable = act in _POST_OPS  # measured with it (the GEMM with it inside a candidate); other activations
         cls = (nn.ReLU if act == "ReLU" else getattr(activations, act)) if fusable else None  # run after any GEMM
-        return _fastest(_linear_candidates(x, w, b, cls() if cls is not None else None, False))
+        return _fastest(_linear_candidates(x, w, b, cls() if cls is not None else None, False, frozen))
     return _CHOICES.get(key, measure)
 
 
-def _traced_linear(choice, layer, x: torch.Tensor, act) -> torch.Tensor | None:
+def _traced_linear(choice, layer, x: torch.Tensor, act, frozen: bool = False) -> torch.Tensor | None:
     """The "linear" point while torch.compile traces (not exports): inference on plain CPU tensors in the weight's
-    dtype runs `onednn_linear` (the activation inside it for "fused_activation") where the choice is oneDNN's, and
-    None, inductor's code, otherwise. "auto" cannot time inside a trace: `_traced_choice` asks eager's choice (or
-    measures it) outside the graph, for the shape class of TRACED_ROWS rows whatever the call's (dynamo can pass
-    no row count that is a size of the graph to it). No packed weights: a graph's weights are its inputs
-    ("packed_linear" runs as fused_activation)."""
+    dtype runs `onednn_linear` (the activation inside it for "fused_activation") where the choice is oneDNN's,
+    `packed_linear` where it is the packed weight (a `frozen` model's "auto", or forced), and None, inductor's code,
+    otherwise. "auto" cannot time inside a trace: `_traced_choice` asks eager's choice (or measures it) outside the
+    graph, for the shape class of TRACED_ROWS rows whatever the call's (dynamo can pass no row count that is a size
+    of the graph to it)."""
     w, b = layer.weight, layer.bias
     if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.dtype != w.dtype or x.dtype not in TOLERANCE:
         return None
@@ -390,14 +417,19 @@ def _traced_linear(choice, layer, x: torch.Tensor, act) -> torch.Tensor | None:
         return None
     if choice == "auto":
         act_name = type(act).__name__ if act is not None else "none"
-        name = _traced_choice(tuple(w.shape), x.dtype, act_name, b is not None, TRACED_ROWS)
+        name = _traced_choice(tuple(w.shape), x.dtype, act_name, b is not None, TRACED_ROWS, frozen)
     else:
         name = "fused_activation" if choice & {"fused_activation", "packed_linear"} else "onednn_linear"
+        name = "packed_linear" if "packed_linear" in choice else name
         name = name if "onednn_linear" in choice else "reference"  # (forcing either of those forces it)
     if name == "reference":
         return None
     fuse = name in ("fused_activation", "packed_linear") and _fusable(act, False, x.dtype)
-    y = onednn_linear(x, w, b, type(act).__name__ if fuse else "none")
+    activation = type(act).__name__ if fuse else "none"
+    if name == "packed_linear" and _packs_traced(x.dtype):
+        y = packed_linear(x, w, b, activation, id(layer))
+    else:
+        y = onednn_linear(x, w, b, activation)
     return y if act is None or fuse else act(y)
 
 
@@ -500,7 +532,7 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
     `frozen` (kernelize's): "auto" may choose "packed_linear" for inference."""
     choice = parse_setting(setting)
     if choice != "reference" and torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting():
-        return _traced_linear(choice, layer, x, act)
+        return _traced_linear(choice, layer, x, act, frozen)
     w, b = layer.weight, layer.bias
     if choice == "reference" or not _plain_cpu(x, w) or x.numel() == 0:  # compiling: numel() unknown until run
         return None
@@ -1060,6 +1092,7 @@ def kernelize(model: nn.Module, kernels="auto", sparse_prediction: bool = False,
     for module in model.modules():
         name = type(module).__name__
         if _own(module):
+            _KERNELIZED_LINEARS[id(module)] = module
             _put(module, _linear_forward, setting=setting, skip_zero_rows=id(module) in decoders, frozen=frozen)
         elif type(module) is nn.Dropout:
             _put(module, _dropout_forward, setting=setting)

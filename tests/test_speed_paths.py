@@ -2101,6 +2101,57 @@ def test_compiled_inference_runs_the_linear_kernel_as_one_op_of_the_graph(debug_
     assert train_ops == [] and autocast_ops == []
 
 
+@needs_packing
+@pytest.mark.parametrize("setting,frozen", [("auto", True), ("packed_linear", False)], ids=["auto-frozen", "forced"])
+def test_compiled_frozen_inference_runs_the_packed_weights(debug_config, batch, fresh_dynamo, fresh_choices,
+                                                           monkeypatch, setting, frozen):
+    """Under torch.compile (AOTAutograd, as inductor receives the graph), a frozen model's inference runs each linear
+    layer as hf_bert_impl::packed_linear where "auto" chose the packed weight (its timing rigged so that it wins;
+    under eager's "infer-frozen" keys), or forced: the layer's packed copy, the one eager runs, made once per weight
+    and again after the weight changes in place; the outputs of eager within 1e-5 before and after, no graph break.
+    Given a weight that is not its layer's, the op runs that weight; torch.library's own checks of a custom op pass."""
+    monkeypatch.setattr(K, "_fastest", lambda candidates, reference="reference": "packed_linear"
+                        if "packed_linear" in candidates else reference)
+    torch.manual_seed(0)
+    config = debug_config()
+    model = kernelize(BertImplForMaskedLM(config), setting, frozen=frozen).eval()
+    input_ids, attention_mask, token_type_ids = batch
+    inputs = dict(attention_mask=attention_mask, token_type_ids=token_type_ids)
+    graphs, packed_calls, packing = [], [], _spy_packing(monkeypatch)
+    packed_weight = K._packed_weight
+    monkeypatch.setattr(K, "_packed_weight", lambda *a: packed_calls.append(a[0]) or packed_weight(*a))
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    layers = _linear_layers(config)
+    with torch.no_grad():
+        for change in (False, True):  # then with a weight changed in place
+            if change:
+                model.bert.layers[0].attn.Wo.weight.mul_(1.5)
+            got = compiled(input_ids, **inputs).logits
+            assert (got - model(input_ids, **inputs).logits).abs().max().item() <= ATOL
+    ops = [node.args[3] for node in graphs[0].graph.nodes if "packed_linear" in str(node.target)]
+    assert len(graphs) == 1 and not fresh_dynamo["graph_break"]
+    assert len(ops) == layers and ops.count("GELUActivation") == config.num_hidden_layers + 1
+    assert not any("onednn_linear" in str(node.target) for node in graphs[0].graph.nodes)
+    # each call of the graph: every layer's packed weight (compiled and eager share them); packed: each weight once,
+    # then the changed one again
+    linears = {id(m) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert len(packed_calls) == 4 * layers and set(map(id, packed_calls)) == linears
+    assert len(packing) == layers + 1
+    if setting == "auto":
+        linear = [key for key in K.chosen_kernels() if key.startswith("linear")]
+        assert any(f"|rows<={K.TRACED_ROWS}|infer-frozen|" in key for key in linear), linear
+    layer = model.bert.layers[0].mlp.Wi
+    x, other = torch.randn(3, config.hidden_size), torch.randn_like(layer.weight)
+    assert (K.packed_linear(x, other, layer.bias, "none", id(layer)) - F.linear(x, other, layer.bias)).abs().max() \
+        <= ATOL
+    torch.library.opcheck(K.packed_linear, (x, layer.weight.detach(), layer.bias.detach(), "none", id(layer)))
+
+
 def test_the_linear_op_matches_f_linear_and_traces_on_fake_tensors():
     """hf_bert_impl::onednn_linear: F.linear's output (and act(F.linear) with an activation inside), and the shape of
     its fake (meta) form, which torch.compile traces with; torch.library's own checks of a custom op pass."""
