@@ -2433,8 +2433,9 @@ def test_benchmark_against_the_serving_runtimes_in_one_run(tmp_path, monkeypatch
             ratio = statistics.median(a / b for a, b in zip(row[tag]["times_s"], row["ours"]["times_s"]))
             assert row[f"ours_vs_{tag}_median"] == pytest.approx(ratio, rel=1e-9)
         for tag in runners:
-            error = row[tag]["max_abs_diff_vs_transformers_fp32"]
+            error, mean = row[tag]["max_abs_diff_vs_transformers_fp32"], row[tag]["mean_abs_diff_vs_transformers_fp32"]
             assert error == anchors["errors"][workload][tag] <= anchors["tolerances"][tag]
+            assert mean == anchors["mean_errors"][workload][tag] <= error
         assert row["openvino_f32"]["precision"] == "f32" and row["openvino_default"]["precision"] in ("f32", "bf16")
     assert all(f"| {tag} |" in result["markdown_table"] for tag in runners)
 
@@ -2469,6 +2470,9 @@ def test_benchmark_against_openvino_in_bf16(tmp_path, monkeypatch):
             limit = 1e-4 if row[tag]["precision"] == "f32" else 3 * own
             assert anchors["tolerances"][tag] == pytest.approx(limit)
             assert row[tag]["max_abs_diff_vs_transformers_fp32"] == anchors["errors"][workload][tag] <= limit
+            mean = row[tag]["mean_abs_diff_vs_transformers_fp32"]
+            assert mean == anchors["mean_errors"][workload][tag] <= anchors["errors"][workload][tag]
+        assert row["transformers"]["mean_abs_diff_vs_transformers_fp32"] > 1e-5  # bf16 rounding, on average too
         _assert_row_follows_from_its_times(row, "transformers", result["matmul_peak_flops"]["best"])
 
 
