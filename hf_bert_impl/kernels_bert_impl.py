@@ -333,17 +333,33 @@ def _linear_key(dtype, out_in: tuple, rows: int, mode: str, act: str) -> str:  #
     return f"linear|cpu|{str(dtype)[6:]}|{out_in[1]}x{out_in[0]}|rows<={_bucket(rows)}|{mode}|{act}"
 
 
+def _forced_linear(choice) -> str:  # a forced setting's linear kernel: the most specific one named (each of
+    # "fused_activation" and "packed_linear" brings "onednn_linear" with it, `parse_setting`), else the reference
+    for name in ("packed_linear", "fused_activation", "onednn_linear"):
+        if name in choice:
+            return name
+    return "reference"
+
+
 @torch.library.custom_op("hf_bert_impl::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """act(x Wᵀ + b) by oneDNN's GEMM, `activation` ("none" or an activation class of `_POST_OPS`) inside it: the
     "linear" point in a torch.compile graph, one op that inductor calls as it is (it lowers oneDNN's own op only on
     frozen weights, and otherwise emits its GEMM and a separate activation kernel)."""
+    return _onednn_post_op(x, weight, bias, activation)
+
+
+def _onednn_post_op(x, weight, bias, activation: str) -> torch.Tensor:  # the body of the two linear ops
     return _onednn_op()(x, weight, bias, *_POST_OPS.get(activation, ("none", [], "")))
+
+
+def _linear_like(x, weight) -> torch.Tensor:  # the fake (meta) output of the two linear ops: (..., out)
+    return x.new_empty((*x.shape[:-1], weight.size(0)))
 
 
 @onednn_linear.register_fake
 def _(x, weight, bias, activation):
-    return x.new_empty((*x.shape[:-1], weight.size(0)))
+    return _linear_like(x, weight)
 
 
 # id() -> each nn.Linear kernelize put a kernel on: `packed_linear` in a compiled graph finds its layer by this number
@@ -360,12 +376,12 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     module = _KERNELIZED_LINEARS.get(layer)
     if module is not None and module.weight is weight:
         weight = _packed_weight(module, weight, x.dtype)
-    return _onednn_op()(x, weight, bias, *_POST_OPS.get(activation, ("none", [], "")))
+    return _onednn_post_op(x, weight, bias, activation)
 
 
 @packed_linear.register_fake
 def _(x, weight, bias, activation, layer):
-    return x.new_empty((*x.shape[:-1], weight.size(0)))
+    return _linear_like(x, weight)
 
 
 @torch.compiler.assume_constant_result  # asked on real tensors once while tracing, a constant of the graph
@@ -419,9 +435,7 @@ def _traced_linear(choice, layer, x: torch.Tensor, act, frozen: bool = False) ->
         act_name = type(act).__name__ if act is not None else "none"
         name = _traced_choice(tuple(w.shape), x.dtype, act_name, b is not None, TRACED_ROWS, frozen)
     else:
-        name = "fused_activation" if choice & {"fused_activation", "packed_linear"} else "onednn_linear"
-        name = "packed_linear" if "packed_linear" in choice else name
-        name = name if "onednn_linear" in choice else "reference"  # (forcing either of those forces it)
+        name = _forced_linear(choice)
     if name == "reference":
         return None
     fuse = name in ("fused_activation", "packed_linear") and _fusable(act, False, x.dtype)
@@ -549,9 +563,7 @@ def linear_kernel(setting, layer, x: torch.Tensor, act=None, skip_zero_rows: boo
         name = _CHOICES.get(key, lambda: _fastest(_linear_candidates(xc.detach(), w.detach().to(dtype), bc, act,
                                                                      grad, pack)))
     else:
-        name = "onednn_linear" if "onednn_linear" in choice else "reference"
-        name = "fused_activation" if "fused_activation" in choice else name
-        name = "packed_linear" if "packed_linear" in choice else name
+        name = _forced_linear(choice)
     if name != "reference" and not _onednn_runs(dtype):  # forced where oneDNN cannot compute in this dtype
         name = "reference"
     if name == "packed_linear" and (grad or not _packs(dtype)):  # training (no backward on a packed weight), or no
