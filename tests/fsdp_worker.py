@@ -18,6 +18,7 @@ and `embeddings_apart_error`: what FSDP2 says when BertImplEmbeddings is a group
 Run: python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_worker.py OUT   (the repository on PYTHONPATH)
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -236,6 +237,7 @@ def scenario(name, config, init_state, batches, rank, world, out_dir, kernels, c
 
 
 def main(out_dir: str) -> None:
+    faulthandler.enable()  # a crash (SIGSEGV) prints every thread's Python stack to stderr
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert GLOBAL_BATCH % world == 0

@@ -69,7 +69,8 @@ def test_benchmark_packing_checks_the_loss_and_writes_consistent_json(tmp_path):
                                      "_encoder_forward": 1, "_linear_forward": 4 * layers + 1, "_mlp_forward": layers}
     assert {key.split("|")[0] for key in kernels["chosen"]} >= {"linear", "dropout", "layout"}, kernels
     assert set(kernels["chosen"].values()) <= {"reference", "onednn_linear", "fused_activation", "packed_linear",
-                                               "bits_dropout", "per_sequence_attention", "grid_attention"}
+                                               "bits_dropout", "per_sequence_attention", "grid_attention",
+                                               "matmul_attention"}
     assert f"kernels: auto ({len(kernels['chosen'])} choices" in result.stdout
 
 

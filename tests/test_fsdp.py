@@ -12,13 +12,22 @@ whose exact gradient is zero (softmax ignores a shift of every key score), so ea
 AdamW (eps 1e-8) sees and it moves those weights by up to ~lr per step in either run. Save and resume compare
 identical computations: bit-identical weights, logits within 1e-6. bf16: see test_bf16_mixed_precision_policy.
 
+A launch in which a worker died of a signal (the process crashed: no check ran to a verdict) is relaunched once, and
+the crash's output is reported as a warning; a second crash fails. One such crash has been seen (SIGSEGV in rank 1
+during the first scenario's sharded steps, torch 2.13, gloo), not reproduced in 33 launches on an AMD EPYC Zen 4 (idle,
+beside two busy processes, with ATen and oneDNN held to AVX2); the worker turns on faulthandler, so a crash prints
+each thread's Python stack. A failed check (a worker's exception, exit code 1) is never relaunched.
+
 Run: pytest tests/test_fsdp.py -q   (about 20-30 s on two cores)
 """
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -48,6 +57,16 @@ def _gloo_missing() -> str | None:
     return None
 
 
+def _crash_signal(proc: subprocess.CompletedProcess) -> str | None:
+    """The signal a worker of a failed torchrun launch died of ("SIGSEGV"), from torchrun's root-cause summary; None
+    when the launch passed or its root cause is an exit code (a Python exception, a failed assertion)."""
+    if proc.returncode == 0:
+        return None
+    root = proc.stderr.rpartition("Root Cause")[2]
+    found = re.search(r"exitcode\s*:\s*-\d+\s*\(pid: \d+\)\s*\((SIG\w+)\)", root)
+    return found.group(1) if found else None
+
+
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
     reason = _gloo_missing()
@@ -56,11 +75,22 @@ def fsdp(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(REPO_ROOT / "tests" / "fsdp_worker.py"), str(out)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
+
+    def launch():
+        shutil.rmtree(out)
+        out.mkdir()
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             str(REPO_ROOT / "tests" / "fsdp_worker.py"), str(out)],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )
+
+    proc = launch()
+    crash = _crash_signal(proc)
+    if crash:  # the process died, no check failed: once more, the crash reported (module docstring)
+        warnings.warn(f"an FSDP worker died of {crash}; relaunched once. Its output:\n{proc.stderr[-8000:]}",
+                      stacklevel=1)
+        proc = launch()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads((out / "results.json").read_text())
     assert results["world_size"] == 2
@@ -153,3 +183,18 @@ def test_embeddings_apart_from_the_tied_decoder_is_refused(fsdp):
     transformer_layer_cls_to_wrap=["BertImplLayer"], with which accelerate keeps the tied pair in one group)."""
     assert fsdp["embeddings_apart_error"], "embeddings sharded apart from the tied decoder trained: update the docs"
 
+
+
+@pytest.mark.parametrize("ending, signal_name", [("os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
+                                                 ("raise AssertionError('a failed check')", None)])
+def test_only_a_crashed_worker_is_relaunched(tmp_path, ending, signal_name):
+    """The relaunch rule's reading of torchrun's real summary: rank 1 dies of SIGSEGV -> "SIGSEGV" (relaunched);
+    rank 1 raises -> None (the failure stands)."""
+    if _gloo_missing():
+        pytest.skip(_gloo_missing())
+    script = tmp_path / "worker.py"
+    script.write_text(f"import os, signal\nif os.environ['RANK'] == '1':\n    {ending}\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert _crash_signal(proc) == signal_name, proc.stderr[-2000:]
