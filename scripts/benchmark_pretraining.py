@@ -26,7 +26,8 @@ rate it pretrained with), on each of `--finetune_tasks` (accuracy and MCC on the
 `--finetune_folds K` on every sentence of the task by K-fold cross-validation): "statement_topic",
 the embedded corpus' statement-topic task, and "fortune_topic", which of four fortune files (computers, politics,
 science, songs-poems; chance 25%) a fortune comes from (`hf_bert_impl.data.fortune_topic_task`; needs the fortunes
-package). Also two checks that make the race mean something:
+package); the summary's paired test (`finetune_paired`) says per task whether the two models' accuracies differ by more
+than chance. Also two checks that make the race mean something:
 - collator cost: the per-batch cost of the scripts' masking collator (`hf_bert_impl.data.MLMCollator`,
   seeded) over `DataCollatorForLanguageModeling`'s, on batches of this corpus (must stay <= 1.5x);
 - step-for-step parity: ours configured as transformers' BERT (learned positions, no embedding scale),
@@ -317,6 +318,35 @@ FINETUNE_TASKS = {
 }
 
 
+FOLDED_SPLITS = ("train", "validation", "test")  # --finetune_folds: every sentence of a task, in this order
+
+
+def finetune_gold(task, folds: int | None) -> np.ndarray:
+    """A fine-tuning task's labels in the order `finetune` lists its predictions: every sentence (FOLDED_SPLITS)
+    with --finetune_folds, else the test split's."""
+    return np.concatenate([np.asarray(task[split]["label"]) for split in (FOLDED_SPLITS if folds else ("test",))])
+
+
+def finetune_paired(ours: list[dict], theirs: list[dict], gold: np.ndarray) -> dict:
+    """Whether the two models' fine-tuned accuracies differ by more than chance, sentence by sentence (the same
+    sentences, the same folds): each sentence's share of the seeds whose fine-tuned model labelled it right, ours
+    against transformers'; the sign test over the sentences where the shares differ (scipy's exact binomial test,
+    two-sided, p = 0.5). With one seed this is McNemar's exact test. `ours`, `theirs`: one task's fine-tuning
+    results, one per seed."""
+    from scipy.stats import binomtest
+
+    ours_right, theirs_right = ([np.asarray(r["predicted"]) == gold for r in rs] for rs in (ours, theirs))
+    ours_share, theirs_share = np.mean(ours_right, axis=0), np.mean(theirs_right, axis=0)
+    better, worse = int((ours_share > theirs_share).sum()), int((ours_share < theirs_share).sum())
+    return {
+        "sentences": len(gold),
+        "seeds": len(ours),
+        "ours_right_more_often": better,
+        "transformers_right_more_often": worse,
+        "p_value": float(binomtest(better, better + worse).pvalue) if better + worse else 1.0,
+    }
+
+
 def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: str, task) -> dict:
     """Fine-tunes the pretrained model on `task`, FINETUNE_TASKS[task_name] built once (fixed splits), with the same
     settings for both models, dropout included (`--finetune_dropout`, whatever rate each pretrained with and its
@@ -336,13 +366,12 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
         batched=True,
         remove_columns=["sentence"],
     )
+    gold = finetune_gold(task, args.finetune_folds)
     if args.finetune_folds:  # every sentence of the task is a test sentence once
-        sentences = datasets.concatenate_datasets([task[split] for split in ("train", "validation", "test")])
-        gold = np.array(sentences["label"])
+        sentences = datasets.concatenate_datasets([task[split] for split in FOLDED_SPLITS])
         folds = StratifiedKFold(args.finetune_folds, shuffle=True, random_state=0).split(gold, gold)
         splits = [(sentences.select(train), sentences.select(test), test) for train, test in folds]
     else:
-        gold = np.array(task["test"]["label"])
         splits = [(task["train"], task["test"], np.arange(len(gold)))]
     dropout = {"hidden_dropout_prob": args.finetune_dropout, "attention_probs_dropout_prob": args.finetune_dropout}
     training_args = TrainingArguments(
@@ -499,10 +528,11 @@ def time_to_accuracy(ours_curve: list[dict], theirs_curve: list[dict]) -> list[d
     return points
 
 
-def summarize(runs: dict, budget: float, past_seconds: float = 60.0) -> dict:
+def summarize(runs: dict, budget: float, past_seconds: float = 60.0, datasets_of: dict | None = None) -> dict:
     """Per seed and over the seeds; `past_seconds`: the evaluation points counted in the worst speed-up after the
     first minute: the measured ones (None where ours never reaches one, or where all are bounds); the bounds (ours'
-    first evaluation already lower) are listed apart."""
+    first evaluation already lower) are listed apart. `datasets_of` (the fine-tuning tasks' datasets, by name): each
+    task's paired test (`finetune_paired`) where every run scored the same sentences (one --finetune_folds)."""
     per_seed = []
     for ours, theirs in zip(runs["ours"], runs["transformers"]):
         target = theirs["curve"][-1]["eval_loss"]
@@ -537,6 +567,15 @@ def summarize(runs: dict, budget: float, past_seconds: float = 60.0) -> dict:
         }
         for task in tasks
     }
+    finetune_tests = {}
+    for task in datasets_of or {}:
+        results = {name: [r["finetune"][task] for r in rs if task in r.get("finetune", {})]
+                   for name, rs in runs.items()}
+        folds = {r.get("folds") for rs in results.values() for r in rs}
+        if len(folds) == 1 and len(results["ours"]) == len(results["transformers"]) == len(runs["ours"]):
+            finetune_tests[task] = finetune_paired(
+                results["ours"], results["transformers"], finetune_gold(datasets_of[task], folds.pop())
+            )
     return {
         "per_seed": per_seed,
         "mean_final_loss": {
@@ -549,6 +588,7 @@ def summarize(runs: dict, budget: float, past_seconds: float = 60.0) -> dict:
             task: scores["ours"]["accuracy"] >= scores["transformers"]["accuracy"]
             for task, scores in mean_finetune.items()
         },
+        "finetune_paired_test": finetune_tests,
         "worst_share_of_budget": None if None in shares else max(shares),
         "worst_time_to_accuracy_speedup": None if None in shares else budget / max(s * budget for s in shares),
         "worst_speedup_past_first_minute": None if None in worst_later else min(worst_later),
@@ -1128,7 +1168,7 @@ def main(argv=None) -> int:
                 "opponent": args.recipe,
                 "collator_cost": cost,
                 "parity": parity,
-                "summary": summarize(pairs, args.budget) if pairs["ours"] else None,
+                "summary": summarize(pairs, args.budget, datasets_of=tasks) if pairs["ours"] else None,
                 "kernels": {
                     "setting": args.kernels,
                     "chosen": kernels_bert_impl.chosen_kernels(),  # this process's; each run of ours has its own
@@ -1160,9 +1200,12 @@ def main(argv=None) -> int:
         )
     folds = f"{args.finetune_folds}-fold cross-validated" if args.finetune_folds else "test"
     for task, scores in s["mean_finetune"].items():
+        test = s["finetune_paired_test"].get(task)
         print(
             f"{task}: mean {folds} accuracy ours {scores['ours']['accuracy']:.4f} (MCC {scores['ours']['mcc']:.4f}), "
             f"transformers {scores['transformers']['accuracy']:.4f} (MCC {scores['transformers']['mcc']:.4f})"
+            + ("" if test is None else f"; sentences right more often: ours {test['ours_right_more_often']}, "
+               f"transformers {test['transformers_right_more_often']} (sign test p = {test['p_value']:.3g})")
         )
     kernels = report["kernels"]
     print(

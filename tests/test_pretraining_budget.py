@@ -430,6 +430,15 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
         hits = sum(p == g for p, g in zip(scores["predicted"], gold))
         assert scores["accuracy"] == pytest.approx(hits / len(gold), abs=1e-12)
         assert scores["mcc"] == pytest.approx(_matthews(gold, scores["predicted"]), abs=1e-9)
+    # one seed: the paired test is McNemar's on the sentences exactly one of the two models labelled right
+    right = {name: [p == g for p, g in zip(run["finetune"]["statement_topic"]["predicted"], gold)]
+             for name, run in (("ours", ours), ("transformers", theirs))}
+    test = report["summary"]["finetune_paired_test"]["statement_topic"]
+    assert (test["sentences"], test["seeds"]) == (len(gold), 1)
+    assert test["ours_right_more_often"] == sum(a and not b for a, b in zip(right["ours"], right["transformers"]))
+    assert test["transformers_right_more_often"] == sum(
+        b and not a for a, b in zip(right["ours"], right["transformers"]))
+    assert 0 < test["p_value"] <= 1
 
     # ours ran with the speed layer, as pretrain_mlm.py applies it; its choices are in the report
     assert report["kernels"]["setting"] == "auto" and report["kernels"]["chosen"]
@@ -437,6 +446,28 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
     assert facts["setting"] == "auto" and facts["sparse_prediction"] is True
     assert facts["modules"]["_sparse_mlm_logits_and_loss"] == 1 and facts["modules"]["_linear_forward"] > 0
     assert all(report["kernels"]["chosen"][key] == name for key, name in facts["chosen"].items())
+
+
+def test_the_paired_finetuning_test_counts_sentences_by_their_share_of_seeds_right():
+    """Three seeds on 6 sentences (gold 0 1 0 1 0 1): a sentence counts for the model that labelled it right in more
+    seeds; ties (0 and 2: both always right; 5: 2 of 3 each) count for neither; the p-value is the exact two-sided
+    binomial test's (2 of 3: 1.0; 6 of 6 in one direction: 2 / 2^6)."""
+    race = load_script("benchmark_pretraining")
+    gold = np.array([0, 1, 0, 1, 0, 1])
+    ours = [[0, 1, 0, 1, 1, 1], [0, 1, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]  # right on 1: 2/3, 3: 3/3, 4: 0/3, 5: 2/3
+    theirs = [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 1, 0]]  # 1: 0/3, 3: 1/3, 4: 2/3, 5: 2/3
+    test = race.finetune_paired([{"predicted": p} for p in ours], [{"predicted": p} for p in theirs], gold)
+    assert test == {"sentences": 6, "seeds": 3, "ours_right_more_often": 2, "transformers_right_more_often": 1,
+                    "p_value": pytest.approx(1.0)}
+    # one seed: McNemar's exact test on the discordant sentences; the same predictions: nothing to test, p = 1
+    one = race.finetune_paired([{"predicted": ours[0]}], [{"predicted": theirs[0]}], gold)
+    assert (one["ours_right_more_often"], one["transformers_right_more_often"]) == (2, 1)
+    same = race.finetune_paired([{"predicted": ours[0]}], [{"predicted": ours[0]}], gold)
+    assert (same["ours_right_more_often"], same["transformers_right_more_often"], same["p_value"]) == (0, 0, 1.0)
+    gold = np.array([0, 1] * 4)  # ours right on all 8, transformers' wrong on 6 of them
+    lopsided = race.finetune_paired([{"predicted": gold}], [{"predicted": [1, 0, 1, 0, 1, 0, 0, 1]}], gold)
+    assert (lopsided["ours_right_more_often"], lopsided["transformers_right_more_often"]) == (6, 0)
+    assert lopsided["p_value"] == pytest.approx(2 / 2**6)
 
 
 def test_time_to_reach_interpolates_between_evaluations():
