@@ -26,7 +26,8 @@ rate it pretrained with), on each of `--finetune_tasks` (accuracy and MCC on the
 `--finetune_folds K` on every sentence of the task by K-fold cross-validation): "statement_topic",
 the embedded corpus' statement-topic task, and "fortune_topic", which of four fortune files (computers, politics,
 science, songs-poems; chance 25%) a fortune comes from (`hf_bert_impl.data.fortune_topic_task`; needs the fortunes
-package); the summary's paired test (`finetune_paired`) says per task whether the two models' accuracies differ by more
+package); `--finetune_learning_rates` gives each model its own fine-tuning rate, chosen on the task's validation
+split; the summary's paired test (`finetune_paired`) says per task whether the two models' accuracies differ by more
 than chance. Also two checks that make the race mean something:
 - collator cost: the per-batch cost of the scripts' masking collator (`hf_bert_impl.data.MLMCollator`,
   seeded) over `DataCollatorForLanguageModeling`'s, on batches of this corpus (must stay <= 1.5x);
@@ -318,13 +319,17 @@ FINETUNE_TASKS = {
 }
 
 
-FOLDED_SPLITS = ("train", "validation", "test")  # --finetune_folds: every sentence of a task, in this order
+def scored_splits(folds: int | None, selected: bool = False) -> tuple[str, ...]:
+    """The splits of a task whose sentences `finetune` scores, in the order it lists its predictions: the test split;
+    with --finetune_folds every sentence, or (a rate `selected` on the validation split) all but the validation's."""
+    if not folds:
+        return ("test",)
+    return ("train", "test") if selected else ("train", "validation", "test")
 
 
-def finetune_gold(task, folds: int | None) -> np.ndarray:
-    """A fine-tuning task's labels in the order `finetune` lists its predictions: every sentence (FOLDED_SPLITS)
-    with --finetune_folds, else the test split's."""
-    return np.concatenate([np.asarray(task[split]["label"]) for split in (FOLDED_SPLITS if folds else ("test",))])
+def finetune_gold(task, folds: int | None, selected: bool = False) -> np.ndarray:
+    """A fine-tuning task's labels in the order `finetune` lists its predictions (`scored_splits`)."""
+    return np.concatenate([np.asarray(task[split]["label"]) for split in scored_splits(folds, selected)])
 
 
 def finetune_paired(ours: list[dict], theirs: list[dict], gold: np.ndarray) -> dict:
@@ -352,7 +357,9 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
     settings for both models, dropout included (`--finetune_dropout`, whatever rate each pretrained with and its
     saved config holds); accuracy and Matthews correlation on its test split, or with `--finetune_folds K` on all
     of its sentences: K fine-tunings, each tested on one fold of sklearn's StratifiedKFold (shuffled, fixed folds)
-    and trained on the others."""
+    and trained on the others. With `--finetune_learning_rates`, the rate is this model's own: the one of them whose
+    fine-tuning on the train split scored best on the validation split (the first of equals), as Devlin et al.
+    (2019) chose BERT's on each task's dev set; the validation sentences are then left out of the scored ones."""
     from sklearn.metrics import accuracy_score, matthews_corrcoef
     from sklearn.model_selection import StratifiedKFold
     from transformers import BertForSequenceClassification, DataCollatorWithPadding
@@ -366,31 +373,36 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
         batched=True,
         remove_columns=["sentence"],
     )
-    gold = finetune_gold(task, args.finetune_folds)
-    if args.finetune_folds:  # every sentence of the task is a test sentence once
-        sentences = datasets.concatenate_datasets([task[split] for split in FOLDED_SPLITS])
+    rates = args.finetune_learning_rates or [args.finetune_learning_rate]
+    selecting = len(rates) > 1
+    gold = finetune_gold(task, args.finetune_folds, selecting)
+    if args.finetune_folds:  # every (scored) sentence of the task is a test sentence once
+        sentences = datasets.concatenate_datasets([task[split] for split in scored_splits(True, selecting)])
         folds = StratifiedKFold(args.finetune_folds, shuffle=True, random_state=0).split(gold, gold)
         splits = [(sentences.select(train), sentences.select(test), test) for train, test in folds]
     else:
         splits = [(task["train"], task["test"], np.arange(len(gold)))]
     dropout = {"hidden_dropout_prob": args.finetune_dropout, "attention_probs_dropout_prob": args.finetune_dropout}
-    training_args = TrainingArguments(
-        output_dir=str(model_dir / f"finetune-{task_name}"),
-        num_train_epochs=args.finetune_epochs,
-        per_device_train_batch_size=32,
-        per_device_eval_batch_size=128,
-        learning_rate=args.finetune_learning_rate,
-        warmup_steps=0.1,
-        weight_decay=0.01,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=seed,
-        disable_tqdm=True,
-    )
+    training_args = {
+        rate: TrainingArguments(
+            output_dir=str(model_dir / f"finetune-{task_name}"),
+            num_train_epochs=args.finetune_epochs,
+            per_device_train_batch_size=32,
+            per_device_eval_batch_size=128,
+            learning_rate=rate,
+            warmup_steps=0.1,
+            weight_decay=0.01,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            seed=seed,
+            disable_tqdm=True,
+        )
+        for rate in rates
+    }
     collator = DataCollatorWithPadding(tokenizer)
-    predicted = np.full(len(gold), -1)
-    for train, test, where in splits:  # each fold from the pretrained weights, under the same arguments
+
+    def fit_predict(train, test, rate: float) -> tuple[np.ndarray, torch.nn.Module]:  # from the pretrained weights
         if name == "ours":  # with the speed layer, as scripts/finetune.py fine-tunes
             model = kernelize(
                 BertImplForSequenceClassification.from_pretrained(model_dir, num_labels=labels, **dropout),
@@ -398,15 +410,30 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
             )
         else:
             model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=labels, **dropout)
-        trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
+        trainer = Trainer(model=model, args=training_args[rate], train_dataset=train, data_collator=collator)
         trainer.train()
-        predicted[where] = trainer.predict(test).predictions.argmax(-1)
+        return trainer.predict(test).predictions.argmax(-1), model
+
+    validation = None
+    if selecting:  # each rate trained on the train split, scored on the validation split
+        validation_gold = np.asarray(task["validation"]["label"])
+        validation = [
+            {"learning_rate": r,
+             "accuracy": float(accuracy_score(validation_gold, fit_predict(task["train"], task["validation"], r)[0]))}
+            for r in rates
+        ]
+    rate = rates[0] if validation is None else max(validation, key=lambda v: v["accuracy"])["learning_rate"]
+    predicted = np.full(len(gold), -1)
+    for train, test, where in splits:  # each fold from the pretrained weights, under the same arguments
+        predicted[where], model = fit_predict(train, test, rate)
     return {
         "accuracy": float(accuracy_score(gold, predicted)),
         "mcc": float(matthews_corrcoef(gold, predicted)),
         "classes": labels,
         "test_sentences": len(gold),
         "folds": args.finetune_folds,
+        "learning_rate": rate,
+        "validation": validation,
         "predicted": predicted.tolist(),
         "dropout": [model.config.hidden_dropout_prob, model.config.attention_probs_dropout_prob],
     }
@@ -571,10 +598,10 @@ def summarize(runs: dict, budget: float, past_seconds: float = 60.0, datasets_of
     for task in datasets_of or {}:
         results = {name: [r["finetune"][task] for r in rs if task in r.get("finetune", {})]
                    for name, rs in runs.items()}
-        folds = {r.get("folds") for rs in results.values() for r in rs}
-        if len(folds) == 1 and len(results["ours"]) == len(results["transformers"]) == len(runs["ours"]):
+        scored = {(r.get("folds"), bool(r.get("validation"))) for rs in results.values() for r in rs}
+        if len(scored) == 1 and len(results["ours"]) == len(results["transformers"]) == len(runs["ours"]):
             finetune_tests[task] = finetune_paired(
-                results["ours"], results["transformers"], finetune_gold(datasets_of[task], folds.pop())
+                results["ours"], results["transformers"], finetune_gold(datasets_of[task], *scored.pop())
             )
     return {
         "per_seed": per_seed,
@@ -796,6 +823,15 @@ def parse_args(argv=None):
     parser.add_argument("--finetune_epochs", type=float, default=3.0)
     parser.add_argument("--finetune_learning_rate", type=float, default=3e-4)
     parser.add_argument(
+        "--finetune_learning_rates",
+        type=float,
+        nargs="+",
+        metavar="LR",
+        help="instead of --finetune_learning_rate: each model's own rate among these (at least two), per task and "
+        "seed, the one whose fine-tuning on the task's train split scores best on its validation split (Devlin et "
+        "al. 2019's choice on the dev set); the validation sentences are then not scored",
+    )
+    parser.add_argument(
         "--finetune_folds",
         type=int,
         default=0,
@@ -839,6 +875,9 @@ def parse_args(argv=None):
         parser.error("--sweep (transformers' recipes) and --ablation (ours') are separate runs: choose one")
     if not 0 <= args.finetune_dropout < 1:
         parser.error(f"--finetune_dropout must be a rate in [0, 1), got {args.finetune_dropout}")
+    rates = args.finetune_learning_rates
+    if rates is not None and (len(set(rates)) < 2 or min(rates) <= 0):
+        parser.error(f"--finetune_learning_rates takes at least two different positive rates, got {rates}")
     if args.finetune_folds < 0 or args.finetune_folds == 1:
         parser.error(f"--finetune_folds must be 0 (the test split) or at least 2, got {args.finetune_folds}")
     if args.resume_only and not args.resume:
@@ -869,6 +908,9 @@ def print_run(seed: int, name: str, result: dict) -> None:
         + " ".join(f"{p['seconds']:.0f}s:{p['eval_loss']:.3f}" for p in result["curve"])
         + "".join(
             f"; {task}: accuracy {scores['accuracy']:.4f}, MCC {scores['mcc']:.4f}"
+            + (f" (learning rate {scores['learning_rate']:g}, chosen on the validation split: "
+               + ", ".join(f"{v['learning_rate']:g} {v['accuracy']:.4f}" for v in scores["validation"]) + ")"
+               if scores.get("validation") else "")
             for task, scores in result.get("finetune", {}).items()
         ),
         flush=True,
@@ -897,8 +939,10 @@ RACE_RESUME_SETTINGS = (
     "finetune_learning_rate",
     "finetune_dropout",
     "finetune_folds",
+    "finetune_learning_rates",
 )
-SETTINGS_BEFORE = {"finetune_folds": 0}  # a setting an earlier report has not: the value it ran with
+# a setting an earlier report has not: the value it ran with
+SETTINGS_BEFORE = {"finetune_folds": 0, "finetune_learning_rates": None}
 
 
 def resumed_reports(args, head: dict) -> list[tuple[str, dict]]:

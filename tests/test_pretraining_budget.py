@@ -587,15 +587,20 @@ def test_a_bad_finetune_dropout_is_refused_with_its_value(capsys):
     assert "--finetune_dropout must be a rate in [0, 1), got 1.5" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("folds", [0, 3])
-def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_on_it(tmp_path, monkeypatch, folds):
+@pytest.mark.parametrize("folds, rates", [(0, None), (3, None), (0, [1e-3, 1e-5]), (3, [1e-5, 3e-3, 1e-3])])
+def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_on_it(tmp_path, monkeypatch, folds,
+                                                                                       rates):
     """--finetune_folds K: the task's sentences (train, validation and test) are each predicted once, by the one of
     K fine-tunings whose training set left them out (read off what each Trainer trained on and predicted); the
-    scores are recomputed here from the recorded predictions. 0: trained on the train split, scored on the test."""
+    scores are recomputed here from the recorded predictions. 0: trained on the train split, scored on the test.
+    --finetune_learning_rates: first one fine-tuning per rate, on the train split, scored on the validation split;
+    the scored fine-tunings then run at the rate that scored best there, and no validation sentence is scored."""
     import datasets
 
     race = load_script("benchmark_pretraining")
-    args = race.parse_args(["--finetune_folds", str(folds), "--finetune_epochs", "0.5", "--kernels", "reference"])
+    grid = [] if rates is None else ["--finetune_learning_rates", *map(str, rates)]
+    args = race.parse_args(["--finetune_folds", str(folds), "--finetune_epochs", "0.5", "--kernels", "reference",
+                            *grid])
     texts = [f"sentence {i} says {'statement' if i % 3 == 0 else 'other'} number {i}" for i in range(45)]
     tokenizer = D.train_wordpiece_tokenizer(texts, vocab_size=120)
     features = datasets.Features(
@@ -615,20 +620,42 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
 
     class RecordingTrainer(race.Trainer):
         def predict(self, test_dataset, *a, **k):
+            out = super().predict(test_dataset, *a, **k)
+            selecting.append((self.args.learning_rate, out.predictions.argmax(-1)))
             seen.append((as_set(self.train_dataset), as_set(test_dataset)))
-            return super().predict(test_dataset, *a, **k)
+            return out
 
+    selecting = []
     monkeypatch.setattr(race, "Trainer", RecordingTrainer)
     scores = race.finetune(args, 0, tmp_path / "ours", "ours", tokenizer, "statement_topic", task)
     every = {tuple(tokenizer(t, truncation=True, max_length=48)["input_ids"]) for t in texts}
     assert len(every) == len(texts)  # distinct sentences, so the sets below say which sentence went where
+    if rates is None:
+        assert scores["learning_rate"] == 3e-4 and scores["validation"] is None  # --finetune_learning_rate's
+    else:  # one fine-tuning per rate: trained on the train split, scored on the validation split, in order
+        tried, selecting = selecting[:len(rates)], selecting[len(rates):]
+        split = {name: {tuple(ids) for ids in tokenizer(list(task[name]["sentence"]), truncation=True,
+                                                          max_length=48)["input_ids"]}
+                 for name in ("train", "validation")}
+        assert seen[:len(rates)] == [(split["train"], split["validation"])] * len(rates)
+        seen = seen[len(rates):]
+        assert [rate for rate, _ in tried] == rates
+        assert scores["validation"] == [
+            {"learning_rate": rate, "accuracy": pytest.approx(np.mean(p == np.array(task["validation"]["label"])))}
+            for rate, p in tried]
+        best = max(v["accuracy"] for v in scores["validation"])
+        assert scores["learning_rate"] == next(
+            v["learning_rate"] for v in scores["validation"] if v["accuracy"] == best)  # the first of equals
+        assert {rate for rate, _ in selecting} == {scores["learning_rate"]}  # the scored fine-tunings ran at it
+        every -= split["validation"]  # never scored
+        rows = rows[:33] + rows[39:]
     gold = list(task["test"]["label"]) if folds == 0 else [r["label"] for r in rows]
     assert scores["folds"] == folds and len(seen) == max(folds, 1) and scores["test_sentences"] == len(gold)
     for trained, tested in seen:
         assert trained and tested and not trained & tested
     if folds:
-        assert set().union(*(tested for _, tested in seen)) == every and sum(len(t) for _, t in seen) == len(texts)
-        assert all(len(trained) + len(tested) == len(texts) for trained, tested in seen)
+        assert set().union(*(tested for _, tested in seen)) == every and sum(len(t) for _, t in seen) == len(rows)
+        assert all(len(trained) + len(tested) == len(rows) for trained, tested in seen)
     else:
         assert seen[0][0] == {tuple(ids) for ids in tokenizer(list(task["train"]["sentence"]))["input_ids"]}
         assert seen[0][1] == {tuple(ids) for ids in tokenizer(list(task["test"]["sentence"]))["input_ids"]}
@@ -648,6 +675,17 @@ def test_a_bad_finetune_folds_is_refused_with_its_value(capsys):
         with pytest.raises(SystemExit):
             race.parse_args(["--finetune_folds", bad])
         assert f"--finetune_folds must be 0 (the test split) or at least 2, got {bad}" in capsys.readouterr().err
+
+
+def test_a_finetuning_rate_grid_needs_two_positive_rates(capsys):
+    race = load_script("benchmark_pretraining")
+    assert race.parse_args([]).finetune_learning_rates is None  # --finetune_learning_rate alone, as before the option
+    assert race.parse_args(["--finetune_learning_rates", "2e-4", "5e-4"]).finetune_learning_rates == [2e-4, 5e-4]
+    for bad in (["3e-4"], ["3e-4", "3e-4"], ["0", "3e-4"]):
+        with pytest.raises(SystemExit):
+            race.parse_args(["--finetune_learning_rates", *bad])
+        assert (f"--finetune_learning_rates takes at least two different positive rates, got {[float(r) for r in bad]}"
+                in capsys.readouterr().err)
 
 
 def _fortune_folder(folder: Path) -> Path:
