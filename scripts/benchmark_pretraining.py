@@ -559,7 +559,8 @@ def summarize(runs: dict, budget: float, past_seconds: float = 60.0, datasets_of
     """Per seed and over the seeds; `past_seconds`: the evaluation points counted in the worst speed-up after the
     first minute: the measured ones (None where ours never reaches one, or where all are bounds); the bounds (ours'
     first evaluation already lower) are listed apart. `datasets_of` (the fine-tuning tasks' datasets, by name): each
-    task's paired test (`finetune_paired`) where every run scored the same sentences (one --finetune_folds)."""
+    task's paired test (`finetune_paired`) where every run scored the same sentences (one --finetune_folds, and a
+    rate chosen on the validation split in all runs or in none)."""
     per_seed = []
     for ours, theirs in zip(runs["ours"], runs["transformers"]):
         target = theirs["curve"][-1]["eval_loss"]
