@@ -377,7 +377,8 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
     selecting = len(rates) > 1
     gold = finetune_gold(task, args.finetune_folds, selecting)
     if args.finetune_folds:  # every (scored) sentence of the task is a test sentence once
-        sentences = datasets.concatenate_datasets([task[split] for split in scored_splits(True, selecting)])
+        scored = scored_splits(args.finetune_folds, selecting)
+        sentences = datasets.concatenate_datasets([task[split] for split in scored])
         folds = StratifiedKFold(args.finetune_folds, shuffle=True, random_state=0).split(gold, gold)
         splits = [(sentences.select(train), sentences.select(test), test) for train, test in folds]
     else:
@@ -596,11 +597,10 @@ def summarize(runs: dict, budget: float, past_seconds: float = 60.0, datasets_of
         for task in tasks
     }
     finetune_tests = {}
-    for task in datasets_of or {}:
-        results = {name: [r["finetune"][task] for r in rs if task in r.get("finetune", {})]
-                   for name, rs in runs.items()}
+    for task in (t for t in tasks if t in (datasets_of or {})):  # tasks: the ones every run has
+        results = {name: [r["finetune"][task] for r in rs] for name, rs in runs.items()}
         scored = {(r.get("folds"), bool(r.get("validation"))) for rs in results.values() for r in rs}
-        if len(scored) == 1 and len(results["ours"]) == len(results["transformers"]) == len(runs["ours"]):
+        if len(scored) == 1:
             finetune_tests[task] = finetune_paired(
                 results["ours"], results["transformers"], finetune_gold(datasets_of[task], *scored.pop())
             )

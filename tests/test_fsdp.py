@@ -57,6 +57,11 @@ def _gloo_missing() -> str | None:
     return None
 
 
+def _torchrun(script, *args, **kwargs) -> subprocess.CompletedProcess:  # 2 processes on this machine, output kept
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), *args], capture_output=True, text=True, **kwargs)
+
+
 def _crash_signal(proc: subprocess.CompletedProcess) -> str | None:
     """The signal a worker of a failed torchrun launch died of ("SIGSEGV"), from torchrun's root-cause summary; None
     when the launch passed or its root cause is an exit code (a Python exception, a failed assertion)."""
@@ -79,11 +84,7 @@ def fsdp(tmp_path_factory):
     def launch():
         shutil.rmtree(out)
         out.mkdir()
-        return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             str(REPO_ROOT / "tests" / "fsdp_worker.py"), str(out)],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )
+        return _torchrun(REPO_ROOT / "tests" / "fsdp_worker.py", str(out), cwd=REPO_ROOT, env=env, timeout=300)
 
     proc = launch()
     crash = _crash_signal(proc)
@@ -184,17 +185,15 @@ def test_embeddings_apart_from_the_tied_decoder_is_refused(fsdp):
     assert fsdp["embeddings_apart_error"], "embeddings sharded apart from the tied decoder trained: update the docs"
 
 
-
 @pytest.mark.parametrize("ending, signal_name", [("os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
                                                  ("raise AssertionError('a failed check')", None)])
 def test_only_a_crashed_worker_is_relaunched(tmp_path, ending, signal_name):
     """The relaunch rule's reading of torchrun's real summary: rank 1 dies of SIGSEGV -> "SIGSEGV" (relaunched);
     rank 1 raises -> None (the failure stands)."""
-    if _gloo_missing():
-        pytest.skip(_gloo_missing())
+    if reason := _gloo_missing():
+        pytest.skip(reason)
     script = tmp_path / "worker.py"
     script.write_text(f"import os, signal\nif os.environ['RANK'] == '1':\n    {ending}\n")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script)], capture_output=True, text=True, timeout=120)
+    proc = _torchrun(script, timeout=120)
     assert proc.returncode != 0, proc.stderr[-2000:]
     assert _crash_signal(proc) == signal_name, proc.stderr[-2000:]

@@ -618,14 +618,17 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
     def as_set(dataset) -> set:
         return {tuple(ids) for ids in dataset["input_ids"]}
 
+    def sentences_of(split: str) -> set:  # a split's sentences as finetune tokenizes them
+        return as_set(tokenizer(list(task[split]["sentence"]), truncation=True, max_length=48))
+
     class RecordingTrainer(race.Trainer):
         def predict(self, test_dataset, *a, **k):
             out = super().predict(test_dataset, *a, **k)
-            selecting.append((self.args.learning_rate, out.predictions.argmax(-1)))
+            ran.append((self.args.learning_rate, out.predictions.argmax(-1)))
             seen.append((as_set(self.train_dataset), as_set(test_dataset)))
             return out
 
-    selecting = []
+    ran = []  # (learning rate, predictions) of each fine-tuning, beside `seen`
     monkeypatch.setattr(race, "Trainer", RecordingTrainer)
     scores = race.finetune(args, 0, tmp_path / "ours", "ours", tokenizer, "statement_topic", task)
     every = {tuple(tokenizer(t, truncation=True, max_length=48)["input_ids"]) for t in texts}
@@ -633,11 +636,8 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
     if rates is None:
         assert scores["learning_rate"] == 3e-4 and scores["validation"] is None  # --finetune_learning_rate's
     else:  # one fine-tuning per rate: trained on the train split, scored on the validation split, in order
-        tried, selecting = selecting[:len(rates)], selecting[len(rates):]
-        split = {name: {tuple(ids) for ids in tokenizer(list(task[name]["sentence"]), truncation=True,
-                                                          max_length=48)["input_ids"]}
-                 for name in ("train", "validation")}
-        assert seen[:len(rates)] == [(split["train"], split["validation"])] * len(rates)
+        tried, ran = ran[:len(rates)], ran[len(rates):]
+        assert seen[:len(rates)] == [(sentences_of("train"), sentences_of("validation"))] * len(rates)
         seen = seen[len(rates):]
         assert [rate for rate, _ in tried] == rates
         assert scores["validation"] == [
@@ -646,8 +646,8 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
         best = max(v["accuracy"] for v in scores["validation"])
         assert scores["learning_rate"] == next(
             v["learning_rate"] for v in scores["validation"] if v["accuracy"] == best)  # the first of equals
-        assert {rate for rate, _ in selecting} == {scores["learning_rate"]}  # the scored fine-tunings ran at it
-        every -= split["validation"]  # never scored
+        assert {rate for rate, _ in ran} == {scores["learning_rate"]}  # the scored fine-tunings ran at it
+        every -= sentences_of("validation")  # never scored
         rows = rows[:33] + rows[39:]
     gold = list(task["test"]["label"]) if folds == 0 else [r["label"] for r in rows]
     assert scores["folds"] == folds and len(seen) == max(folds, 1) and scores["test_sentences"] == len(gold)
@@ -657,8 +657,7 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
         assert set().union(*(tested for _, tested in seen)) == every and sum(len(t) for _, t in seen) == len(rows)
         assert all(len(trained) + len(tested) == len(rows) for trained, tested in seen)
     else:
-        assert seen[0][0] == {tuple(ids) for ids in tokenizer(list(task["train"]["sentence"]))["input_ids"]}
-        assert seen[0][1] == {tuple(ids) for ids in tokenizer(list(task["test"]["sentence"]))["input_ids"]}
+        assert seen[0] == (sentences_of("train"), sentences_of("test"))
     race.check_folds(15, {"statement_topic": task})  # 15 of the smaller class: 15 folds can be stratified
     with pytest.raises(UsageError, match="--finetune_folds 16: task 'statement_topic' has 15 sentences of its smallest "
                        "class \\('statement'\\); give at most 15 folds"):
