@@ -27,8 +27,10 @@ rate it pretrained with), on each of `--finetune_tasks` (accuracy and MCC on the
 the embedded corpus' statement-topic task, and "fortune_topic", which of four fortune files (computers, politics,
 science, songs-poems; chance 25%) a fortune comes from (`hf_bert_impl.data.fortune_topic_task`; needs the fortunes
 package); `--finetune_learning_rates` gives each model its own fine-tuning rate, chosen on the task's validation
-split; the summary's paired test (`finetune_paired`) says per task whether the two models' accuracies differ by more
-than chance. Also two checks that make the race mean something:
+split, or with `--finetune_sweep` scores both models at every one of those rates (each its own entry, TASK@RATE) and
+names each model's best per task (`summary.finetune_rates`), which `--finetune_rates_from` then races on other seeds,
+as `--opponent` races a `--sweep`'s recipe; the summary's paired test (`finetune_paired`) says per task whether the
+two models' accuracies differ by more than chance. Also two checks that make the race mean something:
 - collator cost: the per-batch cost of the scripts' masking collator (`hf_bert_impl.data.MLMCollator`,
   seeded) over `DataCollatorForLanguageModeling`'s, on batches of this corpus (must stay <= 1.5x);
 - step-for-step parity: ours configured as transformers' BERT (learned positions, no embedding scale),
@@ -50,10 +52,16 @@ fortunes` on Debian and Ubuntu: 2.5 MB of English quotations, jokes, definitions
     # run_mlm.py's recipe on the embedded corpus; your text (one text per line), a 10-minute race
     python scripts/benchmark_pretraining.py --corpus embedded --seeds 0 1 2 --out benchmarks/pretraining_embedded
     python scripts/benchmark_pretraining.py --corpus my_corpus.txt --budget 600 --out outputs/race
+    # each model's fine-tuning rate per task chosen on a pretraining seed the race does not use, then raced
+    python scripts/benchmark_pretraining.py --corpus fortunes --budget 600 --seeds 100 --finetune_folds 5 \
+        --finetune_sweep --finetune_learning_rates 2e-4 3e-4 5e-4 --out benchmarks/finetune_rates_fortunes
+    python scripts/benchmark_pretraining.py --corpus fortunes --budget 600 --seeds 0 1 2 --finetune_folds 5 \
+        --finetune_rates_from benchmarks/finetune_rates_fortunes.json --out benchmarks/pretraining_10min_fortunes
 
 Writes OUT.json (every curve, the opponent's recipe as it trained, the settings, the kernels ours chose, the machine)
 and OUT.png (held-out loss against training seconds, both models, every seed; beside it the time-to-accuracy
-speed-up at each of transformers' evaluations). Exit status 1 when a check fails (collator cost or parity).
+speed-up at each of transformers' evaluations; with --finetune_sweep also OUT_rates.png, each model's accuracy
+against the rate). Exit status 1 when a check fails (collator cost or parity).
 A race, a sweep and an ablation write OUT.json after every run ("finished": false until the last; a race's summary
 and plot cover the seeds both models have), so an interrupted one keeps what it did: `--resume OUT.json` trains
 only the runs it lacks (a race's: model by model and seed by seed), and takes more seeds onto an earlier report.
@@ -352,14 +360,15 @@ def finetune_paired(ours: list[dict], theirs: list[dict], gold: np.ndarray) -> d
     }
 
 
-def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: str, task) -> dict:
+def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: str, task, rates=None) -> dict:
     """Fine-tunes the pretrained model on `task`, FINETUNE_TASKS[task_name] built once (fixed splits), with the same
     settings for both models, dropout included (`--finetune_dropout`, whatever rate each pretrained with and its
     saved config holds); accuracy and Matthews correlation on its test split, or with `--finetune_folds K` on all
     of its sentences: K fine-tunings, each tested on one fold of sklearn's StratifiedKFold (shuffled, fixed folds)
     and trained on the others. With `--finetune_learning_rates`, the rate is this model's own: the one of them whose
     fine-tuning on the train split scored best on the validation split (the first of equals), as Devlin et al.
-    (2019) chose BERT's on each task's dev set; the validation sentences are then left out of the scored ones."""
+    (2019) chose BERT's on each task's dev set; the validation sentences are then left out of the scored ones.
+    `rates` (one or more) instead of the arguments': a --finetune_sweep's one rate, --finetune_rates_from's pick."""
     from sklearn.metrics import accuracy_score, matthews_corrcoef
     from sklearn.model_selection import StratifiedKFold
     from transformers import BertForSequenceClassification, DataCollatorWithPadding
@@ -373,7 +382,7 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
         batched=True,
         remove_columns=["sentence"],
     )
-    rates = args.finetune_learning_rates or [args.finetune_learning_rate]
+    rates = rates or args.finetune_learning_rates or [args.finetune_learning_rate]
     selecting = len(rates) > 1
     gold = finetune_gold(task, args.finetune_folds, selecting)
     if args.finetune_folds:  # every (scored) sentence of the task is a test sentence once
@@ -438,6 +447,52 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
         "predicted": predicted.tolist(),
         "dropout": [model.config.hidden_dropout_prob, model.config.attention_probs_dropout_prob],
     }
+
+
+def finetunings(args, name: str) -> dict:
+    """The fine-tunings of model `name` after pretraining: report key -> (task, its rates for `finetune`; None: the
+    arguments'). With --finetune_sweep one per task and rate, keyed TASK@RATE; with --finetune_rates_from one per
+    task at the rate that report chose for this model."""
+    if args.finetune_sweep:
+        rates = args.finetune_learning_rates
+        return {sweep_key(task, rate): (task, [rate]) for task in args.finetune_tasks for rate in rates}
+    if args.finetune_rates:
+        return {task: (task, [args.finetune_rates[name][task]]) for task in args.finetune_tasks}
+    return {task: (task, None) for task in args.finetune_tasks}
+
+
+def sweep_key(task: str, rate: float) -> str:
+    return f"{task}@{rate:g}"
+
+
+def best_rates(mean_finetune: dict, tasks, rates) -> dict:
+    """A --finetune_sweep's choice: each model's rate per task with the highest mean accuracy over the seeds (of
+    `mean_finetune`, keyed TASK@RATE), the first of equals in the order of `rates`."""
+    return {
+        name: {
+            task: max(rates, key=lambda rate: mean_finetune[sweep_key(task, rate)][name]["accuracy"]) for task in tasks
+        }
+        for name in ("ours", "transformers")
+    }
+
+
+def rates_from(path: str, seeds, tasks) -> dict:
+    """--finetune_rates_from: the rates a --finetune_sweep report chose (summary.finetune_rates), for a race on
+    other seeds than the ones they were chosen on, over tasks the report swept."""
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+        rates = report["summary"]["finetune_rates"]
+        chosen_on = sorted({run["seed"] for runs in report["runs"].values() for run in runs})
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path!r} is not a readable --finetune_sweep report (summary.finetune_rates): {e}") from None
+    if not rates:
+        raise ValueError(f"{path!r} is a race without --finetune_sweep: it chose no fine-tuning rates")
+    if set(seeds) & set(chosen_on):
+        raise ValueError(f"{path!r} chose its rates on seeds {chosen_on}: race other seeds than {sorted(seeds)}")
+    missing = [task for task in tasks if any(task not in rates[name] for name in ("ours", "transformers"))]
+    if missing:
+        raise ValueError(f"{path!r} chose no rate for {missing}: it swept {sorted(rates['ours'])}")
+    return {name: {task: float(rates[name][task]) for task in tasks} for name in ("ours", "transformers")}
 
 
 def check_folds(folds: int, tasks: dict) -> None:
@@ -556,12 +611,15 @@ def time_to_accuracy(ours_curve: list[dict], theirs_curve: list[dict]) -> list[d
     return points
 
 
-def summarize(runs: dict, budget: float, past_seconds: float = 60.0, datasets_of: dict | None = None) -> dict:
+def summarize(
+    runs: dict, budget: float, past_seconds: float = 60.0, datasets_of: dict | None = None, sweep: tuple | None = None
+) -> dict:
     """Per seed and over the seeds; `past_seconds`: the evaluation points counted in the worst speed-up after the
     first minute: the measured ones (None where ours never reaches one, or where all are bounds); the bounds (ours'
     first evaluation already lower) are listed apart. `datasets_of` (the fine-tuning tasks' datasets, by name): each
     task's paired test (`finetune_paired`) where every run scored the same sentences (one --finetune_folds, and a
-    rate chosen on the validation split in all runs or in none)."""
+    rate chosen on the validation split in all runs or in none). `sweep`: (tasks, rates) of a --finetune_sweep, whose
+    picks (`best_rates`) go into "finetune_rates" once every run has every one of its fine-tunings."""
     per_seed = []
     for ours, theirs in zip(runs["ours"], runs["transformers"]):
         target = theirs["curve"][-1]["eval_loss"]
@@ -617,6 +675,9 @@ def summarize(runs: dict, budget: float, past_seconds: float = 60.0, datasets_of
             for task, scores in mean_finetune.items()
         },
         "finetune_paired_test": finetune_tests,
+        "finetune_rates": best_rates(mean_finetune, *sweep)
+        if sweep and all(sweep_key(t, r) in mean_finetune for t in sweep[0] for r in sweep[1])
+        else None,
         "worst_share_of_budget": None if None in shares else max(shares),
         "worst_time_to_accuracy_speedup": None if None in shares else budget / max(s * budget for s in shares),
         "worst_speedup_past_first_minute": None if None in worst_later else min(worst_later),
@@ -700,6 +761,39 @@ def plot(report: dict, path: str) -> None:
     right.set_title("transformers' seconds / ours' seconds to the same held-out loss", fontsize=8.5)
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rates(report: dict, path: str) -> None:
+    """A --finetune_sweep's result: per task, each model's mean fine-tuned accuracy over the seeds against the
+    fine-tuning rate, the rate chosen for each marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings, summary = report["settings"], report["summary"]
+    tasks, rates = settings["finetune_tasks"], settings["finetune_learning_rates"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for i, name in enumerate(("ours", "transformers")):
+            accuracy = [summary["mean_finetune"][sweep_key(task, rate)][name]["accuracy"] for rate in rates]
+            chosen = summary["finetune_rates"][name][task]
+            ax.plot(rates, accuracy, color=f"C{i}", marker="o", label=f"{name}: {chosen:g} chosen")
+            ax.plot([chosen], [accuracy[rates.index(chosen)]], color=f"C{i}", marker="*", markersize=14)
+        ax.set_xscale("log")
+        ax.set_xticks(rates, [f"{rate:g}" for rate in rates])
+        ax.minorticks_off()
+        ax.set_xlabel("fine-tuning learning rate")
+        ax.set_ylabel(f"accuracy, {settings['finetune_folds']}-fold over every sentence")
+        seeds = len(report["runs"]["ours"])
+        ax.set_title(f"{task}: mean of {seeds} pretraining seed{'s' * (seeds != 1)}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    title = f"fine-tuning rate sweep after {settings['budget']:g} s of pretraining\n" + _title(report)
+    fig.suptitle(title, fontsize=8.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -833,6 +927,20 @@ def parse_args(argv=None):
         "al. 2019's choice on the dev set); the validation sentences are then not scored",
     )
     parser.add_argument(
+        "--finetune_sweep",
+        action="store_true",
+        help="with --finetune_learning_rates and --finetune_folds: each model fine-tuned at every one of those rates "
+        "(entries TASK@RATE) instead of choosing on the validation split; the summary's finetune_rates names each "
+        "model's rate per task with the highest mean accuracy over the seeds, for --finetune_rates_from (run it on "
+        "seeds the race does not use)",
+    )
+    parser.add_argument(
+        "--finetune_rates_from",
+        metavar="JSON",
+        help="each model's fine-tuning rate per task from a --finetune_sweep report (its summary.finetune_rates), "
+        "for a race on other seeds than it chose them on",
+    )
+    parser.add_argument(
         "--finetune_folds",
         type=int,
         default=0,
@@ -881,6 +989,18 @@ def parse_args(argv=None):
         parser.error(f"--finetune_learning_rates takes at least two different positive rates, got {rates}")
     if args.finetune_folds < 0 or args.finetune_folds == 1:
         parser.error(f"--finetune_folds must be 0 (the test split) or at least 2, got {args.finetune_folds}")
+    if args.finetune_sweep and not (rates and args.finetune_folds):
+        parser.error("--finetune_sweep scores every rate of --finetune_learning_rates on every sentence: give those "
+                     "rates and --finetune_folds K")
+    args.finetune_rates = None  # each model's rate per task, read from --finetune_rates_from
+    if args.finetune_rates_from:
+        if rates or args.finetune_sweep:
+            parser.error("--finetune_rates_from gives each model its rates: leave --finetune_learning_rates and "
+                         "--finetune_sweep out")
+        try:
+            args.finetune_rates = rates_from(args.finetune_rates_from, args.seeds, args.finetune_tasks)
+        except ValueError as e:
+            parser.error(f"--finetune_rates_from: {e}")
     if args.resume_only and not args.resume:
         parser.error("--resume_only builds the report from --resume's reports: give them")
     return args
@@ -941,9 +1061,16 @@ RACE_RESUME_SETTINGS = (
     "finetune_dropout",
     "finetune_folds",
     "finetune_learning_rates",
+    "finetune_sweep",
+    "finetune_rates",
 )
 # a setting an earlier report has not: the value it ran with
-SETTINGS_BEFORE = {"finetune_folds": 0, "finetune_learning_rates": None}
+SETTINGS_BEFORE = {
+    "finetune_folds": 0,
+    "finetune_learning_rates": None,
+    "finetune_sweep": False,
+    "finetune_rates": None,
+}
 
 
 def resumed_reports(args, head: dict) -> list[tuple[str, dict]]:
@@ -1152,7 +1279,8 @@ def race(args, head: dict, tmp: Path, files, blocks, held_out, tokenizer, tasks:
                 result["seed"] = seed
                 if tasks:
                     result["finetune"] = {
-                        task: finetune(args, seed, out, name, tokenizer, task, data) for task, data in tasks.items()
+                        key: finetune(args, seed, out, name, tokenizer, task, tasks[task], rates)
+                        for key, (task, rates) in finetunings(args, name).items()
                     }
             runs[name].append(result)
             print_run(seed, name, result)
@@ -1204,6 +1332,9 @@ def main(argv=None) -> int:
             )
         print(f"transformers' recipe: {recipe_label(args.recipe)}", flush=True)
 
+        scored = {key: tasks[task] for key, (task, _) in finetunings(args, "ours").items() if task in tasks}
+        rate_sweep = (args.finetune_tasks, args.finetune_learning_rates) if args.finetune_sweep and tasks else None
+
         def race_report(runs: dict, finished: bool) -> dict:
             pairs = paired(runs)
             return {
@@ -1213,7 +1344,9 @@ def main(argv=None) -> int:
                 "opponent": args.recipe,
                 "collator_cost": cost,
                 "parity": parity,
-                "summary": summarize(pairs, args.budget, datasets_of=tasks) if pairs["ours"] else None,
+                "summary": (
+                    summarize(pairs, args.budget, datasets_of=scored, sweep=rate_sweep) if pairs["ours"] else None
+                ),
                 "kernels": {
                     "setting": args.kernels,
                     "chosen": kernels_bert_impl.chosen_kernels(),  # this process's; each run of ours has its own
@@ -1251,6 +1384,17 @@ def main(argv=None) -> int:
             f"transformers {scores['transformers']['accuracy']:.4f} (MCC {scores['transformers']['mcc']:.4f})"
             + ("" if test is None else f"; sentences right more often: ours {test['ours_right_more_often']}, "
                f"transformers {test['transformers_right_more_often']} (sign test p = {test['p_value']:.3g})")
+        )
+    if s["finetune_rates"]:
+        plot_rates(report, f"{args.out}_rates.png")
+        print(f"wrote {args.out}_rates.png (accuracy against the fine-tuning rate)")
+        print(
+            "fine-tuning rates with the highest mean accuracy: "
+            + "; ".join(
+                f"{name} " + ", ".join(f"{task} {rate:g}" for task, rate in picks.items())
+                for name, picks in s["finetune_rates"].items()
+            )
+            + f"; race them on other seeds with --finetune_rates_from {args.out}.json"
         )
     kernels = report["kernels"]
     print(

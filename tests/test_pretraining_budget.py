@@ -5,6 +5,7 @@ end to end, and the pretraining race script on a debug-size model."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -685,6 +686,119 @@ def test_a_finetuning_rate_grid_needs_two_positive_rates(capsys):
             race.parse_args(["--finetune_learning_rates", *bad])
         assert (f"--finetune_learning_rates takes at least two different positive rates, got {[float(r) for r in bad]}"
                 in capsys.readouterr().err)
+
+
+def test_a_finetuning_rate_sweep_picks_each_models_best_rate_and_a_race_on_other_seeds_takes_them(tmp_path, capsys):
+    """--finetune_sweep: each model fine-tuned per task at every rate (entries TASK@RATE, each with its paired test);
+    the summary's finetune_rates is, per model and task, the rate of the highest mean accuracy over the seeds
+    (recomputed here from the predictions; the first of equals); --finetune_rates_from reads them for a race on other
+    seeds, and refuses the seeds they were chosen on, a task they were not chosen for and a report of no sweep."""
+    race = load_script("benchmark_pretraining")
+    rates = [2e-4, 3e-4, 5e-4]
+    sweep = race.parse_args(["--finetune_sweep", "--finetune_learning_rates", *map(str, rates), "--finetune_folds",
+                             "3", "--finetune_tasks", "statement_topic", "fortune_topic", "--seeds", "100", "101"])
+    assert race.finetunings(sweep, "ours") == race.finetunings(sweep, "transformers") == {
+        f"{task}@{rate:g}": (task, [rate]) for task in ("statement_topic", "fortune_topic") for rate in rates}
+    plain = race.parse_args([])
+    assert race.finetunings(plain, "ours") == {task: (task, None) for task in race.FINETUNE_TASKS}
+
+    gold = np.array([0, 1, 0, 1, 1, 0, 1, 0])
+    rng = np.random.default_rng(0)
+
+    def run(seed):
+        curve = [{"seconds": 60.0, "step": 5, "eval_loss": 6.0}]
+        predicted = {key: np.where(rng.random(len(gold)) < 0.7, gold, 1 - gold) for key in race.finetunings(sweep, "")}
+        predicted["fortune_topic@0.0002"] = predicted["fortune_topic@0.0005"]  # a tie: the first rate is chosen
+        return {"seed": seed, "curve": curve, "steps": 5, "finetune": {
+            key: {"accuracy": float(np.mean(p == gold)), "mcc": 0.0, "folds": 3, "validation": None,
+                  "predicted": p.tolist()} for key, p in predicted.items()}}
+
+    runs = {"ours": [run(100), run(101)], "transformers": [run(100), run(101)]}
+    splits = {"train": {"label": gold[:4]}, "validation": {"label": gold[4:6]}, "test": {"label": gold[6:]}}
+    summary = race.summarize(runs, budget=60.0, datasets_of=dict.fromkeys(race.finetunings(sweep, ""), splits),
+                             sweep=(sweep.finetune_tasks, rates))
+    mean = {name: {key: np.mean([r["finetune"][key]["accuracy"] for r in rs]) for key in rs[0]["finetune"]}
+            for name, rs in runs.items()}
+    for name in ("ours", "transformers"):
+        for task in sweep.finetune_tasks:
+            scores = [mean[name][f"{task}@{rate:g}"] for rate in rates]
+            assert summary["finetune_rates"][name][task] == rates[scores.index(max(scores))]
+    assert summary["finetune_paired_test"].keys() == summary["mean_finetune"].keys() == mean["ours"].keys()
+    assert race.summarize(runs, budget=60.0)["finetune_rates"] is None  # no sweep: no picks
+    partial = {name: [{**r, "finetune": {k: v for k, v in r["finetune"].items() if "@0.0005" not in k}} for r in rs]
+               for name, rs in runs.items()}
+    assert race.summarize(partial, budget=60.0, sweep=(sweep.finetune_tasks, rates))["finetune_rates"] is None
+
+    report = tmp_path / "rates.json"
+    report.write_text(json.dumps({"summary": summary, "runs": runs}))
+    chosen = race.parse_args(["--finetune_rates_from", str(report), "--seeds", "0", "1", "2"])
+    assert chosen.finetune_rates == summary["finetune_rates"]
+    assert race.finetunings(chosen, "ours") == {
+        task: (task, [summary["finetune_rates"]["ours"][task]]) for task in race.FINETUNE_TASKS}
+    no_sweep = tmp_path / "race.json"
+    no_sweep.write_text(json.dumps({"summary": {**summary, "finetune_rates": None}, "runs": runs}))
+    for argv, message in (
+        (["--finetune_rates_from", str(report), "--seeds", "0", "101"],
+         f"{str(report)!r} chose its rates on seeds \\[100, 101\\]: race other seeds than \\[0, 101\\]"),
+        (["--finetune_rates_from", str(no_sweep)], "a race without --finetune_sweep: it chose no fine-tuning rates"),
+        (["--finetune_rates_from", str(tmp_path / "none.json")], "is not a readable --finetune_sweep report"),
+        (["--finetune_rates_from", str(report), "--finetune_learning_rates", "1e-4", "2e-4"],
+         "--finetune_rates_from gives each model its rates"),
+        (["--finetune_sweep", "--finetune_folds", "3"], "--finetune_sweep scores every rate of"),
+        (["--finetune_sweep", "--finetune_learning_rates", "1e-4", "2e-4"], "--finetune_sweep scores every rate of"),
+    ):
+        with pytest.raises(SystemExit):
+            race.parse_args(argv)
+        assert re.search(message, capsys.readouterr().err), argv
+    one_task = tmp_path / "one.json"
+    one_task.write_text(json.dumps({"summary": {**summary, "finetune_rates": {
+        name: {"statement_topic": 3e-4} for name in ("ours", "transformers")}}, "runs": runs}))
+    with pytest.raises(SystemExit):
+        race.parse_args(["--finetune_rates_from", str(one_task), "--seeds", "0"])
+    assert "chose no rate for ['fortune_topic']: it swept ['statement_topic']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_finetuning_rate_sweep_runs_end_to_end_and_a_race_on_another_seed_fine_tunes_at_its_picks(
+    tmp_path, monkeypatch
+):
+    """--finetune_sweep on a debug pair (seed 100, two rates, 2 folds): every model fine-tuned at every rate (read off
+    each fine-tuning Trainer), the picks and their plot; then a race on seed 0 with --finetune_rates_from: each
+    model's fine-tunings run at its own pick, read off its Trainers."""
+    race = load_script("benchmark_pretraining")
+    trained_at = []
+
+    class RecordingTrainer(race.Trainer):
+        def train(self, *a, **k):
+            if "SequenceClassification" in type(self.model).__name__:
+                trained_at.append((type(self.model).__name__.startswith("BertImpl"), self.args.learning_rate))
+            return super().train(*a, **k)
+
+    monkeypatch.setattr(race, "Trainer", RecordingTrainer)
+    common = ["--budget", "1", "--evaluations", "1", "--model_size", "debug", "--max_seq_length", "32", "--vocab_size",
+              "400", "--parity_steps", "0", "--finetune_epochs", "0.05", "--finetune_tasks", "statement_topic",
+              "--finetune_folds", "2"]
+    sweep = tmp_path / "rates"
+    race.main([*common, "--seeds", "100", "--finetune_sweep", "--finetune_learning_rates", "1e-4", "1e-3",
+               "--out", str(sweep)])
+    report = json.loads(sweep.with_suffix(".json").read_text())
+    assert trained_at == [(ours, rate) for ours in (True, False) for rate in (1e-4, 1e-3) for _fold in range(2)]
+    mean = report["summary"]["mean_finetune"]
+    assert set(mean) == {"statement_topic@0.0001", "statement_topic@0.001"}
+    for name in ("ours", "transformers"):
+        low, high = (mean[f"statement_topic@{rate}"][name]["accuracy"] for rate in ("0.0001", "0.001"))
+        assert report["summary"]["finetune_rates"][name] == {"statement_topic": 1e-3 if high > low else 1e-4}
+    assert (tmp_path / "rates_rates.png").stat().st_size > 10_000
+
+    trained_at.clear()
+    race.main([*common, "--seeds", "0", "--finetune_rates_from", str(sweep.with_suffix(".json")),
+               "--out", str(tmp_path / "race")])
+    picks = report["summary"]["finetune_rates"]
+    assert trained_at == [(True, picks["ours"]["statement_topic"])] * 2 + [
+        (False, picks["transformers"]["statement_topic"])] * 2
+    raced = json.loads((tmp_path / "race.json").read_text())
+    assert raced["settings"]["finetune_rates"] == picks and set(raced["summary"]["mean_finetune"]) == {
+        "statement_topic"}
 
 
 def _fortune_folder(folder: Path) -> Path:
