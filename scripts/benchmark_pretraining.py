@@ -43,6 +43,9 @@ rate 5e-4 / 1e-3 (`--grid` narrows or moves it) for `--budget` on each seed, and
 held-out loss at the budget) into OUT.json, which `--opponent OUT.json` then races. Corpora: "embedded" (the Language
 Reference), "stdlib_docstrings", "fortunes" (the fortune cookie files of the fortunes package, `apt-get install
 fortunes` on Debian and Ubuntu: 2.5 MB of English quotations, jokes, definitions and verse) or your text file.
+`--ablation` trains ours alone under its defaults and under each of `--ablations` (one pretrain_mlm.py option
+changed each); with `--finetune_variants` each variant's model is also fine-tuned as the race fine-tunes ours, and
+each task's paired test compares it with the defaults'.
 
     # choose the opponent on a separate short run (a seed the race does not use), then race it for 3 minutes
     python scripts/benchmark_pretraining.py --sweep --corpus fortunes --budget 120 --evaluations 6 --seeds 100 \
@@ -340,12 +343,15 @@ def finetune_gold(task, folds: int | None, selected: bool = False) -> np.ndarray
     return np.concatenate([np.asarray(task[split]["label"]) for split in scored_splits(folds, selected)])
 
 
-def finetune_paired(ours: list[dict], theirs: list[dict], gold: np.ndarray) -> dict:
+def finetune_paired(
+    ours: list[dict], theirs: list[dict], gold: np.ndarray, names: tuple[str, str] = ("ours", "transformers")
+) -> dict:
     """Whether the two models' fine-tuned accuracies differ by more than chance, sentence by sentence (the same
     sentences, the same folds): each sentence's share of the seeds whose fine-tuned model labelled it right, ours
     against transformers'; the sign test over the sentences where the shares differ (scipy's exact binomial test,
     two-sided, p = 0.5). With one seed this is McNemar's exact test. `ours`, `theirs`: one task's fine-tuning
-    results, one per seed."""
+    results, one per seed, the same seeds in the same order; `names`: the two models' names in the result's keys
+    (an ablation's: a variant against the defaults)."""
     from scipy.stats import binomtest
 
     ours_right, theirs_right = ([np.asarray(r["predicted"]) == gold for r in rs] for rs in (ours, theirs))
@@ -354,8 +360,8 @@ def finetune_paired(ours: list[dict], theirs: list[dict], gold: np.ndarray) -> d
     return {
         "sentences": len(gold),
         "seeds": len(ours),
-        "ours_right_more_often": better,
-        "transformers_right_more_often": worse,
+        f"{names[0]}_right_more_often": better,
+        f"{names[1]}_right_more_often": worse,
         "p_value": float(binomtest(better, better + worse).pvalue) if better + worse else 1.0,
     }
 
@@ -693,7 +699,9 @@ def _title(report: dict) -> str:
     return (
         f"{report['model_size']} model ({report['size']['num_hidden_layers']}x{report['size']['hidden_size']}), "
         f"seq {report['settings']['max_seq_length']}, batch {report['settings']['batch_size']}; "
-        f"corpus: {report['settings']['corpus_name']}\n{m['cpu']}, {m['torch_threads']} threads, "
+        f"corpus: {report['settings']['corpus_name']}\n{m['cpu']}"
+        + (f" (family/model {m['cpu_family_model']})" if m.get("cpu_family_model") else "")
+        + f", {m['torch_threads']} threads, "
         f"hf-bert-impl {report['version']}"
     )
 
@@ -801,7 +809,8 @@ def plot_rates(report: dict, path: str) -> None:
 
 def plot_variants(report: dict, rows: list[dict], label, best, title: str, path: str) -> None:
     """Held-out loss against training seconds of every variant of a sweep or an ablation (`rows`, each with "runs"
-    and "mean_final_loss"; `label(row)` names one; the `best` row drawn thick)."""
+    and "mean_final_loss"; `label(row)` names one; the `best` row drawn thick); a row's mean fine-tuned accuracies
+    (--finetune_variants) go into its legend entry."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -809,6 +818,10 @@ def plot_variants(report: dict, rows: list[dict], label, best, title: str, path:
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for i, row in enumerate(rows):
+        tuned = row.get("mean_finetune", {})
+        legend = f"{label(row)}: {row['mean_final_loss']:.3f}" + "".join(
+            f"; {task} accuracy {scores['accuracy']:.3f}" for task, scores in tuned.items()
+        )
         for j, run in enumerate(row["runs"]):
             ax.plot(
                 [p["seconds"] for p in run["curve"]],
@@ -816,7 +829,7 @@ def plot_variants(report: dict, rows: list[dict], label, best, title: str, path:
                 color=f"C{i % 10}",
                 linestyle="-" if i < 10 else "--",
                 linewidth=2.2 if row is best else 1.0,
-                label=f"{label(row)}: {row['mean_final_loss']:.3f}" if j == 0 else None,
+                label=legend if j == 0 else None,
             )
     ax.set_xlabel("training seconds (evaluation not counted)")
     ax.set_ylabel("held-out masked-LM loss (15% masked)")
@@ -892,6 +905,13 @@ def parse_args(argv=None):
         metavar="NAME",
         help=f"the variants --ablation trains: {', '.join(map(repr, ABLATIONS))} (default: all but "
         f"{', '.join(map(repr, FROM_BATCH_32))}, changes from batch 32)".replace("%", "%%"),
+    )
+    parser.add_argument(
+        "--finetune_variants",
+        action="store_true",
+        help="with --ablation: also fine-tune each variant's model as a race fine-tunes ours (--finetune_tasks and "
+        "the --finetune_* settings; --finetune_rates_from: ours' rates); each variant then gets its mean accuracy "
+        "per task and a paired test against the defaults",
     )
     parser.add_argument(
         "--resume",
@@ -982,6 +1002,12 @@ def parse_args(argv=None):
         parser.error(f"--grid: {e}")
     if args.sweep and args.ablation:
         parser.error("--sweep (transformers' recipes) and --ablation (ours') are separate runs: choose one")
+    if args.finetune_variants and not args.ablation:
+        parser.error("--finetune_variants fine-tunes an ablation's variants: give --ablation (a race fine-tunes "
+                     "both models anyway)")
+    if args.finetune_variants and args.finetune_sweep:
+        parser.error("--finetune_variants fine-tunes each variant at ours' rate: leave --finetune_sweep out (it "
+                     "chooses rates for a race)")
     if not 0 <= args.finetune_dropout < 1:
         parser.error(f"--finetune_dropout must be a rate in [0, 1), got {args.finetune_dropout}")
     rates = args.finetune_learning_rates
@@ -1050,10 +1076,12 @@ RESUME_SETTINGS = (
     "warmup_ratio",
     "vocab_size",
     "kernels",
+    "finetune_variants",
 )
 
 
-# and what a race's must share besides: its runs are also fine-tuned and raced against one recipe
+# and what a race's (and a --finetune_variants ablation's) must share besides: its runs are also fine-tuned (a
+# race's raced against one recipe)
 RACE_RESUME_SETTINGS = (
     "finetune_tasks",
     "finetune_epochs",
@@ -1066,6 +1094,7 @@ RACE_RESUME_SETTINGS = (
 )
 # a setting an earlier report has not: the value it ran with
 SETTINGS_BEFORE = {
+    "finetune_variants": False,
     "finetune_folds": 0,
     "finetune_learning_rates": None,
     "finetune_sweep": False,
@@ -1076,9 +1105,10 @@ SETTINGS_BEFORE = {
 def resumed_reports(args, head: dict) -> list[tuple[str, dict]]:
     """--resume's reports, read and checked against this run: the same kind (race, sweep or ablation), version,
     corpus (its name and size), CPU (name, family and model) and RESUME_SETTINGS (a race's: also the opponent's
-    recipe and RACE_RESUME_SETTINGS), so that a run taken from one is a run this one would have made."""
+    recipe and RACE_RESUME_SETTINGS; a --finetune_variants ablation's: RACE_RESUME_SETTINGS), so that a run taken
+    from one is a run this one would have made."""
     kind = "sweep" if args.sweep else "ablation" if args.ablation else "race"
-    keys = RESUME_SETTINGS + (RACE_RESUME_SETTINGS if kind == "race" else ())
+    keys = RESUME_SETTINGS + (RACE_RESUME_SETTINGS if kind == "race" or args.finetune_variants else ())
     ours = {
         "version": __version__,
         **{k: head["machine"].get(k) for k in ("cpu", "cpu_family_model")},
@@ -1208,15 +1238,56 @@ def sweep(args, tmp: Path, blocks, held_out, tokenizer, head: dict) -> dict:
     return report
 
 
-def ablation(args, tmp: Path, files, head: dict) -> dict:
-    """Ours alone under the defaults and under each of --ablations, on every seed."""
+def variant_finetune(rows: list[dict], datasets_of: dict) -> None:
+    """--finetune_variants: each row's mean fine-tuned accuracy and MCC per task over its seeds ("mean_finetune"),
+    and per task the paired test (`finetune_paired`) of the variant against the defaults on the seeds both have
+    ("finetune_paired_test_vs_defaults"; none for the defaults, or without their row)."""
+    defaults = next((row for row in rows if row["variant"] == "defaults"), None)
+    for row in rows:
+        runs = row["runs"]
+        tasks = sorted(set.intersection(*(set(r.get("finetune", {})) for r in runs)))
+        row["mean_finetune"] = {
+            task: {k: float(np.mean([r["finetune"][task][k] for r in runs])) for k in ("accuracy", "mcc")}
+            for task in tasks
+        }
+        if defaults is None or row is defaults:
+            continue
+        base = {r["seed"]: r for r in defaults["runs"]}
+        both = [r for r in runs if r["seed"] in base]
+        tests = {}
+        for task in (t for t in tasks if t in datasets_of and all(t in base[r["seed"]]["finetune"] for r in both)):
+            mine, theirs = [r["finetune"][task] for r in both], [base[r["seed"]]["finetune"][task] for r in both]
+            scored = {(r.get("folds"), bool(r.get("validation"))) for r in mine + theirs}
+            if both and len(scored) == 1:
+                tests[task] = finetune_paired(
+                    mine, theirs, finetune_gold(datasets_of[task], *scored.pop()), ("variant", "defaults")
+                )
+        row["finetune_paired_test_vs_defaults"] = tests
+
+
+def ablation(args, tmp: Path, files, head: dict, tokenizer, tasks: dict) -> dict:
+    """Ours alone under the defaults and under each of --ablations, on every seed; with --finetune_variants
+    (`tasks`: the fine-tuning tasks' datasets) each variant's model also fine-tuned as a race fine-tunes ours."""
+
+    def train(seed: int, i: int) -> dict:
+        out = tmp / f"ablation-{i}-{seed}"
+        result = run_ours(args, seed, files, tmp / "tokenizer", out, ABLATIONS[args.ablations[i]])
+        if tasks:
+            result["finetune"] = {
+                key: finetune(args, seed, out, "ours", tokenizer, task, tasks[task], rates)
+                for key, (task, rates) in finetunings(args, "ours").items()
+            }
+        return result
 
     def report_of(rows, best):
         for row in rows:
             row["mean_steps"] = float(np.mean([r["steps"] for r in row["runs"]]))
+        if tasks:
+            variant_finetune(rows, tasks)
         return {
             "what": "ablation of ours' training recipe: held-out masked-LM loss (15% masked) against training "
-            "seconds under the defaults and under each change alone, the same budget",
+            "seconds under the defaults and under each change alone, the same budget"
+            + ("; each variant's model also fine-tuned as the race fine-tunes ours" if tasks else ""),
             **head,
             "ablation": {"best": best["variant"], "rows": rows},
         }
@@ -1226,9 +1297,7 @@ def ablation(args, tmp: Path, files, head: dict) -> dict:
         head,
         [{"variant": name, "options": ABLATIONS[name]} for name in args.ablations],
         lambda row: row["variant"],
-        lambda seed, i: run_ours(
-            args, seed, files, tmp / "tokenizer", tmp / f"ablation-{i}-{seed}", ABLATIONS[args.ablations[i]]
-        ),
+        train,
         report_of,
     )
     report = report_of(rows, best)
@@ -1237,6 +1306,16 @@ def ablation(args, tmp: Path, files, head: dict) -> dict:
         print(
             f"{row['variant']:18s} {' '.join(row['options']) or '(as the race runs pretrain_mlm.py)'}: mean "
             f"held-out loss at {args.budget:.0f} s {row['mean_final_loss']:.3f}, {row['mean_steps']:.0f} steps"
+            + "".join(
+                f"; {task}: accuracy {scores['accuracy']:.4f}, MCC {scores['mcc']:.4f}"
+                + (
+                    f" (sentences right more often than the defaults: {test['variant_right_more_often']}, less "
+                    f"often: {test['defaults_right_more_often']}, sign test p = {test['p_value']:.3g})"
+                    if (test := row.get("finetune_paired_test_vs_defaults", {}).get(task))
+                    else ""
+                )
+                for task, scores in row.get("mean_finetune", {}).items()
+            )
         )
     print(f"lowest: {best['variant']}")
     print(f"wrote {args.out}.json and {args.out}.png")
@@ -1310,14 +1389,14 @@ def main(argv=None) -> int:
         )
         head = report_head(args, description, blocks, held_out)
         # built before any training: a task that cannot be built (no fortune files) stops the race here
-        finetuning = not (args.sweep or args.ablation) and args.finetune_epochs
+        finetuning = args.finetune_epochs and not args.sweep and (args.finetune_variants or not args.ablation)
         tasks = {t: FINETUNE_TASKS[t][0]() for t in args.finetune_tasks} if finetuning else {}
         check_folds(args.finetune_folds, tasks)
         if args.sweep:
             sweep(args, tmp, blocks, held_out, tokenizer, head)
             return 0
         if args.ablation:
-            ablation(args, tmp, files, head)
+            ablation(args, tmp, files, head, tokenizer, tasks)
             return 0
         cost = collator_cost(blocks, tokenizer, args.batch_size)
         print(

@@ -883,6 +883,55 @@ def test_the_ablation_trains_ours_under_each_lever_through_pretrain_mlm_and_eval
 
 
 @pytest.mark.slow
+def test_finetune_variants_fine_tunes_every_variant_as_the_race_fine_tunes_ours_and_tests_it_against_the_defaults(
+    tmp_path, monkeypatch
+):
+    """--ablation --finetune_variants: every variant's model on every seed fine-tuned (ours' class, the rate given,
+    every fold; read off each fine-tuning Trainer); the means and the paired test against the defaults recomputed
+    here from the stored predictions; an ablation report without fine-tuning is not resumed into one with it."""
+    race = load_script("benchmark_pretraining")
+    fine_tuned = []
+
+    class RecordingTrainer(race.Trainer):
+        def train(self, *a, **k):
+            if "SequenceClassification" in type(self.model).__name__:
+                fine_tuned.append((type(self.model).__name__, self.args.learning_rate))
+            return super().train(*a, **k)
+
+    monkeypatch.setattr(race, "Trainer", RecordingTrainer)
+    small = ["--budget", "1", "--evaluations", "1", "--model_size", "debug", "--max_seq_length", "32"]
+    small += ["--vocab_size", "400", "--ablation", "--ablations", "defaults", "masking 40%", "--seeds", "0", "1"]
+    tuning = ["--finetune_variants", "--finetune_tasks", "statement_topic", "--finetune_folds", "2"]
+    tuning += ["--finetune_epochs", "0.05", "--finetune_learning_rate", "1e-3"]
+    out = tmp_path / "ablation"
+    assert race.main([*small, *tuning, "--out", str(out)]) == 0
+    assert fine_tuned == [("BertImplForSequenceClassification", 1e-3)] * 8  # 2 variants x 2 seeds x 2 folds
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = {row["variant"]: row for row in report["ablation"]["rows"]}
+    gold = race.finetune_gold(race.FINETUNE_TASKS["statement_topic"][0](), 2)
+    right = {}
+    for name, row in rows.items():
+        results = [run["finetune"]["statement_topic"] for run in row["runs"]]
+        assert [r["test_sentences"] for r in results] == [len(gold)] * 2  # every sentence, by the fold left out
+        right[name] = np.mean([np.asarray(r["predicted"]) == gold for r in results], axis=0)
+        assert row["mean_finetune"]["statement_topic"]["accuracy"] == pytest.approx(right[name].mean())
+        assert row["mean_finetune"]["statement_topic"]["mcc"] == pytest.approx(np.mean([r["mcc"] for r in results]))
+    assert "finetune_paired_test_vs_defaults" not in rows["defaults"]
+    test = rows["masking 40%"]["finetune_paired_test_vs_defaults"]["statement_topic"]
+    better, worse = int((right["masking 40%"] > right["defaults"]).sum()), int((right["masking 40%"] < right[
+        "defaults"]).sum())
+    assert (test["variant_right_more_often"], test["defaults_right_more_often"]) == (better, worse)
+    assert test["sentences"] == len(gold) and test["seeds"] == 2 and 0 < test["p_value"] <= 1
+
+    plain = tmp_path / "plain"
+    assert race.main([*small[:-2], "0", "--ablations", "defaults", "--out", str(plain)]) == 0
+    with pytest.raises(UsageError, match="its finetune_variants is False, this run's is True"):
+        race.main([*small, *tuning, "--resume", str(plain.with_suffix(".json")), "--out", str(tmp_path / "no")])
+    with pytest.raises(SystemExit):
+        race.parse_args(["--finetune_variants"])  # a race fine-tunes both models anyway
+
+
+@pytest.mark.slow
 def test_an_interrupted_ablation_keeps_its_runs_and_resume_trains_only_what_is_missing(tmp_path, monkeypatch):
     """The report is written after every run ("finished": false until the last); --resume takes a variant and seed
     from earlier reports instead of training it again, and refuses a report of other settings or another kind."""
