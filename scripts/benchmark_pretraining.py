@@ -366,6 +366,21 @@ def finetune_paired(
     }
 
 
+def paired_on_same_sentences(first: list[dict], second: list[dict], task, names=("ours", "transformers")):
+    """`finetune_paired` of two lists of one task's fine-tuning results where every result scored the same
+    sentences of `task` (its dataset): one --finetune_folds, and a rate chosen on the validation split in all of
+    them or in none; None otherwise (or with no results)."""
+    scored = {(r.get("folds"), bool(r.get("validation"))) for r in first + second}
+    if len(scored) != 1:
+        return None
+    return finetune_paired(first, second, finetune_gold(task, *scored.pop()), names)
+
+
+def mean_scores(results: list[dict]) -> dict:
+    """The mean accuracy and MCC of fine-tuning results (one task's, one per seed)."""
+    return {k: float(np.mean([r[k] for r in results])) for k in ("accuracy", "mcc")}
+
+
 def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: str, task, rates=None) -> dict:
     """Fine-tunes the pretrained model on `task`, FINETUNE_TASKS[task_name] built once (fixed splits), with the same
     settings for both models, dropout included (`--finetune_dropout`, whatever rate each pretrained with and its
@@ -465,6 +480,15 @@ def finetunings(args, name: str) -> dict:
     if args.finetune_rates:
         return {task: (task, [args.finetune_rates[name][task]]) for task in args.finetune_tasks}
     return {task: (task, None) for task in args.finetune_tasks}
+
+
+def finetune_all(args, seed: int, model_dir: Path, name: str, tokenizer, tasks: dict) -> dict:
+    """Every fine-tuning of model `name` pretrained in `model_dir` (`finetunings`; `tasks`: the tasks' datasets by
+    name), keyed as the report keys them."""
+    return {
+        key: finetune(args, seed, model_dir, name, tokenizer, task, tasks[task], rates)
+        for key, (task, rates) in finetunings(args, name).items()
+    }
 
 
 def sweep_key(task: str, rate: float) -> str:
@@ -654,20 +678,14 @@ def summarize(
     worst_later = [s["worst_speedup_past_first_minute"] for s in per_seed]
     tasks = sorted(set.intersection(*(set(r.get("finetune", {})) for rs in runs.values() for r in rs)))
     mean_finetune = {
-        task: {
-            name: {k: float(np.mean([r["finetune"][task][k] for r in rs])) for k in ("accuracy", "mcc")}
-            for name, rs in runs.items()
-        }
-        for task in tasks
+        task: {name: mean_scores([r["finetune"][task] for r in rs]) for name, rs in runs.items()} for task in tasks
     }
     finetune_tests = {}
     for task in (t for t in tasks if t in (datasets_of or {})):  # tasks: the ones every run has
         results = {name: [r["finetune"][task] for r in rs] for name, rs in runs.items()}
-        scored = {(r.get("folds"), bool(r.get("validation"))) for rs in results.values() for r in rs}
-        if len(scored) == 1:
-            finetune_tests[task] = finetune_paired(
-                results["ours"], results["transformers"], finetune_gold(datasets_of[task], *scored.pop())
-            )
+        test = paired_on_same_sentences(results["ours"], results["transformers"], datasets_of[task])
+        if test:
+            finetune_tests[task] = test
     return {
         "per_seed": per_seed,
         "mean_final_loss": {
@@ -1246,10 +1264,7 @@ def variant_finetune(rows: list[dict], datasets_of: dict) -> None:
     for row in rows:
         runs = row["runs"]
         tasks = sorted(set.intersection(*(set(r.get("finetune", {})) for r in runs)))
-        row["mean_finetune"] = {
-            task: {k: float(np.mean([r["finetune"][task][k] for r in runs])) for k in ("accuracy", "mcc")}
-            for task in tasks
-        }
+        row["mean_finetune"] = {task: mean_scores([r["finetune"][task] for r in runs]) for task in tasks}
         if defaults is None or row is defaults:
             continue
         base = {r["seed"]: r for r in defaults["runs"]}
@@ -1257,11 +1272,9 @@ def variant_finetune(rows: list[dict], datasets_of: dict) -> None:
         tests = {}
         for task in (t for t in tasks if t in datasets_of and all(t in base[r["seed"]]["finetune"] for r in both)):
             mine, theirs = [r["finetune"][task] for r in both], [base[r["seed"]]["finetune"][task] for r in both]
-            scored = {(r.get("folds"), bool(r.get("validation"))) for r in mine + theirs}
-            if both and len(scored) == 1:
-                tests[task] = finetune_paired(
-                    mine, theirs, finetune_gold(datasets_of[task], *scored.pop()), ("variant", "defaults")
-                )
+            test = paired_on_same_sentences(mine, theirs, datasets_of[task], ("variant", "defaults"))
+            if test:  # none without a seed both have
+                tests[task] = test
         row["finetune_paired_test_vs_defaults"] = tests
 
 
@@ -1273,10 +1286,7 @@ def ablation(args, tmp: Path, files, head: dict, tokenizer, tasks: dict) -> dict
         out = tmp / f"ablation-{i}-{seed}"
         result = run_ours(args, seed, files, tmp / "tokenizer", out, ABLATIONS[args.ablations[i]])
         if tasks:
-            result["finetune"] = {
-                key: finetune(args, seed, out, "ours", tokenizer, task, tasks[task], rates)
-                for key, (task, rates) in finetunings(args, "ours").items()
-            }
+            result["finetune"] = finetune_all(args, seed, out, "ours", tokenizer, tasks)
         return result
 
     def report_of(rows, best):
@@ -1357,10 +1367,7 @@ def race(args, head: dict, tmp: Path, files, blocks, held_out, tokenizer, tasks:
                 )
                 result["seed"] = seed
                 if tasks:
-                    result["finetune"] = {
-                        key: finetune(args, seed, out, name, tokenizer, task, tasks[task], rates)
-                        for key, (task, rates) in finetunings(args, name).items()
-                    }
+                    result["finetune"] = finetune_all(args, seed, out, name, tokenizer, tasks)
             runs[name].append(result)
             print_run(seed, name, result)
             report = race_report(runs, all(len(rs) == len(args.seeds) for rs in runs.values()))
