@@ -256,6 +256,7 @@ def run_hyperparameters(trainer) -> dict:
         "max_steps": args.max_steps if args.max_steps > 0 else trainer.state.global_step,
         "warmup_steps": args.warmup_steps,
         "weight_decay": args.weight_decay,
+        "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else None,  # autocast; float32 weights
         "seed": args.seed,
     }
 

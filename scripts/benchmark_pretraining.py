@@ -191,7 +191,8 @@ def run_ours(args, seed: int, files, tokenizer_dir: Path, out: Path, options=())
     ]
     for key, value in common.items():
         argv += [f"--{key}", str(value)]
-    pretrain_mlm.main([*argv, "--eval_mlm_probability", "0.15", *options])
+    bf16 = ["--bf16"] if args.bf16 else []
+    pretrain_mlm.main([*argv, "--eval_mlm_probability", "0.15", *bf16, *options])
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     facts = json.loads((out / "training_facts.json").read_text())  # what pretrain_mlm.py applied
     hyper = facts["hyperparameters"]
@@ -208,6 +209,7 @@ def run_ours(args, seed: int, files, tokenizer_dir: Path, out: Path, options=())
             "warmup_steps": hyper["warmup_steps"],
             "lr_scheduler_type": hyper["lr_scheduler_type"],
             "dropout": hyper["pretraining_dropout"],  # [hidden, attention] as it trained (not the saved config's)
+            "mixed_precision": hyper["mixed_precision"],
         },
     }
 
@@ -298,6 +300,7 @@ def run_transformers(args, seed: int, train, held_out_blocks, tokenizer, out: Pa
         output_dir=str(out),
         max_steps=UNBOUNDED_MAX_STEPS,
         remove_unused_columns=False,
+        bf16=args.bf16,
         **{**common_arguments(args, seed), "learning_rate": recipe["learning_rate"]},
     )
     # Training batches: DataCollatorForLanguageModeling itself (MLMCollator without a seed hands them to it) at the
@@ -319,6 +322,7 @@ def run_transformers(args, seed: int, train, held_out_blocks, tokenizer, out: Pa
             "mlm_probability": trainer.data_collator.mlm.mlm_probability,
             "dropout": [model.config.hidden_dropout_prob, model.config.attention_probs_dropout_prob],
             "learning_rate": trainer.args.learning_rate,
+            "mixed_precision": "bf16" if trainer.args.bf16 else None,
         },
     }
 
@@ -716,7 +720,9 @@ def _title(report: dict) -> str:
     m = report["machine"]
     return (
         f"{report['model_size']} model ({report['size']['num_hidden_layers']}x{report['size']['hidden_size']}), "
-        f"seq {report['settings']['max_seq_length']}, batch {report['settings']['batch_size']}; "
+        f"seq {report['settings']['max_seq_length']}, batch {report['settings']['batch_size']}"
+        + (", bf16" if report["settings"].get("bf16") else "")
+        + "; "
         f"corpus: {report['settings']['corpus_name']}\n{m['cpu']}"
         + (f" (family/model {m['cpu_family_model']})" if m.get("cpu_family_model") else "")
         + f", {m['torch_threads']} threads, "
@@ -889,6 +895,13 @@ def parse_args(argv=None):
         help="warm-up as a share of the budget's time (ours' default)",
     )
     parser.add_argument("--vocab_size", type=int, default=8192)
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="both models pretrain under TrainingArguments' bf16 (autocast to bfloat16; float32 weights and "
+        "AdamW state), as a user of a CPU with native bfloat16 would; the parity check and the fine-tuning stay "
+        "float32",
+    )
     parser.add_argument(
         "--opponent",
         default="run_mlm",
@@ -1092,6 +1105,7 @@ RESUME_SETTINGS = (
     "batch_size",
     "learning_rate",
     "warmup_ratio",
+    "bf16",
     "vocab_size",
     "kernels",
     "finetune_variants",
@@ -1112,6 +1126,7 @@ RACE_RESUME_SETTINGS = (
 )
 # a setting an earlier report has not: the value it ran with
 SETTINGS_BEFORE = {
+    "bf16": False,
     "finetune_variants": False,
     "finetune_folds": 0,
     "finetune_learning_rates": None,

@@ -418,7 +418,9 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
 
     # the opponent trained with the recipe asked for, read off its collator, config and TrainingArguments
     assert report["opponent"] == {"mlm_probability": 0.3, "dropout": 0.0, "learning_rate": 1e-3}
-    assert theirs["trained_with"] == {"mlm_probability": 0.3, "dropout": [0.0, 0.0], "learning_rate": 1e-3}
+    assert theirs["trained_with"] == {
+        "mlm_probability": 0.3, "dropout": [0.0, 0.0], "learning_rate": 1e-3, "mixed_precision": None}
+    assert ours["trained_with"]["mixed_precision"] is None  # float32 unless --bf16
 
     gold = D.statement_topic_task(seed=0)["test"]["label"]
     assert set(report["summary"]["mean_finetune"]) == {"statement_topic"}
@@ -447,6 +449,24 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
     assert facts["setting"] == "auto" and facts["sparse_prediction"] is True
     assert facts["modules"]["_sparse_mlm_logits_and_loss"] == 1 and facts["modules"]["_linear_forward"] > 0
     assert all(report["kernels"]["chosen"][key] == name for key, name in facts["chosen"].items())
+
+
+def test_bf16_pretrains_both_models_under_autocast_and_keeps_parity_and_resume_apart(tmp_path):
+    """--bf16: both models pretrain under TrainingArguments' bf16 (read off each run's Trainer arguments: ours'
+    from pretrain_mlm.py's training facts), the parity check stays float32 and within its 1e-5, and a report of one
+    precision is not resumed by a run of the other."""
+    race = load_script("benchmark_pretraining")
+    args = ["--budget", "1", "--evaluations", "1", "--seeds", "0", "--model_size", "debug", "--max_seq_length", "32"]
+    args += ["--vocab_size", "400", "--finetune_tasks", "--opponent", "mlm_probability=0.3,dropout=0"]
+    out = tmp_path / "bf16"
+    race.main([*args, "--bf16", "--parity_steps", "3", "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["settings"]["bf16"] is True and report["finished"] is True
+    for name in ("ours", "transformers"):
+        assert report["runs"][name][0]["trained_with"]["mixed_precision"] == "bf16"
+    assert report["parity"]["passed"] is True and report["parity"]["max_abs_loss_difference"] <= 1e-5
+    with pytest.raises(UsageError, match="its bf16 is True, this run's is False"):
+        race.main([*args, "--resume", str(out.with_suffix(".json")), "--out", str(tmp_path / "no")])
 
 
 def test_the_paired_finetuning_test_counts_sentences_by_their_share_of_seeds_right():
@@ -527,6 +547,7 @@ def test_the_sweep_trains_transformers_under_every_recipe_and_its_best_feeds_the
             "mlm_probability": recipe["mlm_probability"],
             "dropout": [recipe["dropout"]] * 2,
             "learning_rate": recipe["learning_rate"],
+            "mixed_precision": None,
         }
         assert row["mean_final_loss"] == run["curve"][-1]["eval_loss"] and math.isfinite(row["mean_final_loss"])
     best = min(rows, key=lambda row: row["runs"][0]["curve"][-1]["eval_loss"])
@@ -865,6 +886,7 @@ def test_the_ablation_trains_ours_under_each_lever_through_pretrain_mlm_and_eval
         "warmup_steps": 0.1,
         "lr_scheduler_type": "linear",
         "dropout": [0.0, 0.0],
+        "mixed_precision": None,
     }
     changed = {
         "masking 15%": {"mlm_probability": 0.15},
