@@ -245,6 +245,12 @@ def save_trained(trainer, train_result) -> dict:
     return metrics
 
 
+def mixed_precision(args) -> str | None:
+    """TrainingArguments' mixed precision as a run's facts name it: "bf16", "fp16" (autocast; float32 weights) or
+    None (float32)."""
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else None
+
+
 def run_hyperparameters(trainer) -> dict:
     """The hyperparameters every training run records in its facts (a script adds its own)."""
     args = trainer.args
@@ -256,7 +262,7 @@ def run_hyperparameters(trainer) -> dict:
         "max_steps": args.max_steps if args.max_steps > 0 else trainer.state.global_step,
         "warmup_steps": args.warmup_steps,
         "weight_decay": args.weight_decay,
-        "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else None,  # autocast; float32 weights
+        "mixed_precision": mixed_precision(args),
         "seed": args.seed,
     }
 

@@ -117,7 +117,7 @@ def write_corpus(name: str, folder: Path) -> tuple[Path, Path, str]:
 
 
 def common_arguments(args, seed: int) -> dict:
-    """TrainingArguments both runs share."""
+    """TrainingArguments both runs share (--bf16: both pretrain under its autocast)."""
     return {
         "per_device_train_batch_size": args.batch_size,
         "per_device_eval_batch_size": 64,
@@ -131,6 +131,7 @@ def common_arguments(args, seed: int) -> dict:
         "use_cpu": True,
         "seed": seed,
         "disable_tqdm": True,
+        "bf16": args.bf16,
     }
 
 
@@ -191,8 +192,7 @@ def run_ours(args, seed: int, files, tokenizer_dir: Path, out: Path, options=())
     ]
     for key, value in common.items():
         argv += [f"--{key}", str(value)]
-    bf16 = ["--bf16"] if args.bf16 else []
-    pretrain_mlm.main([*argv, "--eval_mlm_probability", "0.15", *bf16, *options])
+    pretrain_mlm.main([*argv, "--eval_mlm_probability", "0.15", *options])
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     facts = json.loads((out / "training_facts.json").read_text())  # what pretrain_mlm.py applied
     hyper = facts["hyperparameters"]
@@ -300,7 +300,6 @@ def run_transformers(args, seed: int, train, held_out_blocks, tokenizer, out: Pa
         output_dir=str(out),
         max_steps=UNBOUNDED_MAX_STEPS,
         remove_unused_columns=False,
-        bf16=args.bf16,
         **{**common_arguments(args, seed), "learning_rate": recipe["learning_rate"]},
     )
     # Training batches: DataCollatorForLanguageModeling itself (MLMCollator without a seed hands them to it) at the
@@ -322,7 +321,7 @@ def run_transformers(args, seed: int, train, held_out_blocks, tokenizer, out: Pa
             "mlm_probability": trainer.data_collator.mlm.mlm_probability,
             "dropout": [model.config.hidden_dropout_prob, model.config.attention_probs_dropout_prob],
             "learning_rate": trainer.args.learning_rate,
-            "mixed_precision": "bf16" if trainer.args.bf16 else None,
+            "mixed_precision": cli.mixed_precision(trainer.args),
         },
     }
 
@@ -605,7 +604,8 @@ def parity_check(args, train, tokenizer, steps: int) -> dict:
                 output_dir=tmp,
                 max_steps=steps,
                 remove_unused_columns=False,
-                **{**common_arguments(args, 0), "logging_steps": 1, "warmup_steps": 0.1},
+                # float32 whatever --bf16 says: the check compares the two models' formulas step for step
+                **{**common_arguments(args, 0), "logging_steps": 1, "warmup_steps": 0.1, "bf16": False},
             )
             trainer = Trainer(
                 model=model, args=training_args, train_dataset=train, data_collator=D.MLMCollator(tokenizer, seed=None)
