@@ -152,9 +152,11 @@ def default_logging_steps(training_args, num_update_steps: int | None = None) ->
             training_args.logging_steps = max(1, steps // 50)
 
 
-KERNELS_HELP = ("the speed layer (hf_bert_impl.kernelize): auto (each kernel measured against the plain model on this "
-                "machine, kept where it agrees and is faster), reference (the plain model) or kernel names to force, "
-                "comma-separated (hf_bert_impl.kernels_bert_impl.KERNELS). The saved model is the same either way.")
+KERNELS_HELP = (
+    "the speed layer (hf_bert_impl.kernelize): auto (the kernels hf_bert_impl.kernels_bert_impl.KERNEL_TABLE names "
+    "for the device, training or inference, and dtype), reference (the plain model) or kernel names to force, "
+    "comma-separated (hf_bert_impl.kernels_bert_impl.KERNELS). The saved model is the same either way."
+)
 
 
 def check_kernels_argument(kernels: str) -> None:
@@ -167,68 +169,53 @@ def check_kernels_argument(kernels: str) -> None:
         raise UsageError(f"--kernels: {e}") from None
 
 
-def apply_kernels(model, kernels: str, logger, sparse_prediction: bool = False):
-    """`hf_bert_impl.kernelize(model, kernels, sparse_prediction=...)`, logged; returns the model. The config and
-    the saved files stay those of the plain model."""
+def apply_kernels(model, kernels: str, logger):
+    """`hf_bert_impl.kernelize(model, kernels)`, logged; returns the model. The config and the saved files stay those
+    of the plain model."""
     from .kernels_bert_impl import kernelize, kernelized
 
     check_kernels_argument(kernels)
-    kernelize(model, kernels, sparse_prediction=sparse_prediction)
-    logger.info("kernels %r (sparse_prediction=%s): %d modules run the speed layer", kernels, sparse_prediction,
-                len(kernelized(model)))
+    kernelize(model, kernels)
+    logger.info("kernels %r: %d modules run the speed layer", kernels, len(kernelized(model)))
     return model
 
 
-def kernel_facts(model, kernels: str, measured_before: float = 0.0) -> dict:
-    """What the speed layer did in this run, for training_facts.json: the setting, whether the MLM decoder ran on
-    labelled positions only (sparse prediction), the choices "auto" made in this process
-    (kernels_bert_impl.chosen_kernels(): {"point|device|dtype|shape class": kernel or "reference"}), the seconds spent
-    measuring since `measured_before` (kernels_bert_impl.measurement_seconds() when the run began) and how many of the
-    model's modules run each kernel function (none for "reference": the plain model)."""
-    from .kernels_bert_impl import chosen_kernels, kernelized, measurement_seconds, parse_setting
+def kernels_in_use(kernels: str, device_type: str, dtype, modes=("training", "inference")) -> dict[str, list[str]]:
+    """{mode: the kernels `kernels` runs in that mode ("training" or "inference")} on a device type and dtype:
+    `KERNEL_TABLE`'s entry under "auto" (kernels_bert_impl.table_kernels), the forced names, none under "reference"."""
+    from .kernels_bert_impl import kernel_names, table_kernels
 
-    setting = parse_setting(kernels)
-    functions = Counter(kernelized(model).values())
+    setting = kernel_names(kernels)
+    if setting == "reference":
+        return {mode: [] for mode in modes}
+    if setting != "auto":
+        return {mode: sorted(setting) for mode in modes}
+    return {mode: list(table_kernels(device_type, mode == "training", dtype)) for mode in modes}
+
+
+def kernel_facts(model, kernels: str, modes=("training", "inference")) -> dict:
+    """What the speed layer put on `model` in this run, for its facts: the setting; the kernels it runs per mode of
+    `modes` (`kernels_in_use` on the model's device type and parameter dtype: under autocast over float32 weights the
+    encoder's input is still float32); how many of the model's modules run each kernel function
+    (hf_bert_impl.kernelized; none for "reference": the plain model); and whether its masked-LM heads predict the
+    labelled positions only (`config.sparse_prediction`)."""
+    from .kernels_bert_impl import kernelized
+
+    parameter = next(model.parameters())
     return {
         "setting": kernels,
-        "sparse_prediction": "_sparse_mlm_logits_and_loss" in functions,
-        "chosen": chosen_kernels() if setting == "auto" else setting if setting == "reference" else sorted(setting),
-        "measurement_seconds": round(measurement_seconds() - measured_before, 3),
-        "modules": dict(sorted(functions.items())),
+        "kernels": kernels_in_use(kernels, parameter.device.type, parameter.dtype, modes),
+        "kernelized": dict(sorted(Counter(kernelized(model).values()).items())),
+        "sparse_prediction": bool(getattr(model.config, "sparse_prediction", False)),
     }
 
 
-def kernel_record_path() -> str | None:
-    """Where this process records kernel choices (kernels_bert_impl.cache_path()), as a result file states it: under
-    the Hugging Face cache as `$HF_HOME/...`, under the home folder as `~/...` (no machine's own paths in a shared
-    result); None: recording is off."""
-    from huggingface_hub import constants
-
-    from .kernels_bert_impl import cache_path
-
-    path = cache_path()
-    for root, shown in ((constants.HF_HOME, "$HF_HOME"), (os.path.expanduser("~"), "~")):
-        relative = os.path.relpath(path, root) if path and os.path.isabs(path) else os.pardir
-        if not relative.startswith(os.pardir):
-            return os.path.join(shown, relative)
-    return path  # None (off), relative, or outside both
-
-
 def log_kernel_facts(facts: dict, logger) -> None:
-    """The kernels a run used, one line each, on `logger` (info)."""
-    chosen = facts["chosen"]
-    if not isinstance(chosen, dict):
-        logger.info("kernels %s: %s", facts["setting"], chosen)
-        return
-    counts = ", ".join(f"{name} x{n}" for name, n in sorted(Counter(chosen.values()).items()))
-    logger.info(
-        "kernels auto: %d choices (%s), measuring took %.2f s",
-        len(chosen),
-        counts or "none",
-        facts["measurement_seconds"],
-    )
-    for key, name in sorted(chosen.items()):
-        logger.info("  %s -> %s", key, name)
+    """The kernels a run used, in one line on `logger` (info)."""
+    modes = "; ".join(f"{mode}: {', '.join(names) or 'none'}" for mode, names in facts["kernels"].items())
+    sparse = "on" if facts["sparse_prediction"] else "off"
+    count = sum(facts["kernelized"].values())
+    logger.info("kernels %s (%s); %d modules kernelized; sparse prediction %s", facts["setting"], modes, count, sparse)
 
 
 def save_trained(trainer, train_result) -> dict:

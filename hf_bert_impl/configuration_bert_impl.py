@@ -1,5 +1,5 @@
 """BertImplConfig: the configuration of hf-bert-impl's BERT encoder (travels to the Hub beside modeling_bert_impl.py).
-Fields and defaults as `transformers.BertConfig`'s, plus two; each is checked at construction (a ValueError names the
+Fields and defaults as `transformers.BertConfig`'s, plus three; each is checked at construction (a ValueError names the
 field and value); checks coupling fields (hidden size divisible by the head count) run when the model is built."""
 
 import re
@@ -43,7 +43,7 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attent
                    "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps",
                    "position_embedding_type")
 SAVED_BEFORE = {"scale_word_embeddings": False}  # 0.3.x added the encoding to unscaled word embeddings
-RETIRED_FIELDS = ("unpad_inputs", "onednn_linear", "kernels", "sparse_prediction")  # speed switches of 0.3-0.5
+RETIRED_FIELDS = ("unpad_inputs", "onednn_linear", "kernels")  # speed switches of 0.3-0.5
 
 
 def word_embedding_scale(scale_word_embeddings: bool | None, position_embedding_type: str, hidden_size: int) -> float:
@@ -58,7 +58,10 @@ class BertImplConfig(PretrainedConfig):
         position_embedding_type: "sinusoidal" (Vaswani et al. 2017's PE(pos, 2i) = sin(pos / 10000^{2i/d}),
             PE(pos, 2i+1) = cos(...); not stored, any length) or "learned" (a table of `max_position_embeddings` rows).
         scale_word_embeddings: multiply the word embeddings by √hidden_size before the positions are added (Vaswani
-            et al. 2017, §3.4). None (default): True with sinusoidal positions, False with learned ones."""
+            et al. 2017, §3.4). None (default): True with sinusoidal positions, False with learned ones.
+        sparse_prediction: with labels given, the masked-LM heads run their prediction head on the labelled positions
+            only (as ModernBERT's): logits (n, vocab_size) for the n labelled tokens, the same loss. Default False
+            (logits (batch, sequence, vocab_size), as transformers' BERT); pretraining turns it on."""
 
     model_type = "bert_impl"
 
@@ -67,7 +70,8 @@ class BertImplConfig(PretrainedConfig):
                  hidden_dropout_prob: float = 0.1, attention_probs_dropout_prob: float = 0.1,
                  max_position_embeddings: int = 512, type_vocab_size: int = 2, initializer_range: float = 0.02,
                  layer_norm_eps: float = 1e-12, pad_token_id: int | None = 0, classifier_dropout: float | None = None,
-                 position_embedding_type: str = "sinusoidal", scale_word_embeddings: bool | None = None, **kwargs):
+                 position_embedding_type: str = "sinusoidal", scale_word_embeddings: bool | None = None,
+                 sparse_prediction: bool = False, **kwargs):
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
         self.num_attention_heads, self.intermediate_size = num_attention_heads, intermediate_size
         self.hidden_act, self.hidden_dropout_prob = hidden_act, hidden_dropout_prob
@@ -75,6 +79,7 @@ class BertImplConfig(PretrainedConfig):
         self.max_position_embeddings, self.type_vocab_size = max_position_embeddings, type_vocab_size
         self.initializer_range, self.layer_norm_eps = initializer_range, layer_norm_eps
         self.position_embedding_type, self.scale_word_embeddings = position_embedding_type, scale_word_embeddings
+        self.sparse_prediction = sparse_prediction
         _validate(self, pad_token_id)
         for name in RETIRED_FIELDS:
             kwargs.pop(name, None)
@@ -140,6 +145,7 @@ def _validate(c: BertImplConfig, pad_token_id) -> None:
                                          POSITION_EMBEDDING_TYPES.__contains__),
              "hidden_act": (f"one of {HIDDEN_ACTS}", HIDDEN_ACTS.__contains__),
              "scale_word_embeddings": ("None, True or False", lambda v: isinstance(v, bool)),
+             "sparse_prediction": ("True or False", lambda v: isinstance(v, bool)),
              "pad_token_id": ("a token id (an integer >= 0) or None", lambda v: number(v, int) and v >= 0)}
     optional = ("classifier_dropout", "scale_word_embeddings", "pad_token_id")  # None is accepted
     for field, (accepted, ok) in rules.items():

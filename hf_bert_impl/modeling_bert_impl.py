@@ -52,6 +52,14 @@ except ImportError:  # 4.57: flash takes the 2-D mask, eager and sdpa an additiv
         if and_mask_function is not None:
             keep = keep & and_mask_function(torch.arange(b)[:, None, None, None], 0, i[:, None], i)
         return ((~keep).to(dtype) * torch.finfo(dtype).min).to(inputs_embeds.device)
+
+
+def attention_interface(name: str | None):
+    """The attention function `config._attn_implementation` names (eager: `eager_attention_forward`). 5.x (recent):
+    `get_interface`, which refuses an unknown name; 4.57 / 5.0 have only the mapping's `get`."""
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
+    return ALL_ATTENTION_FUNCTIONS.get(name, eager_attention_forward)
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -166,6 +174,8 @@ class BertImplSelfAttention(nn.Module):
     """Multi-head attention of [1]: MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q,
     K W_i^K, V W_i^V). `Wqkv` = [W^Q; W^K; W^V] (one matmul; head i uses columns i*d:(i+1)*d of each); `Wo` = W^O."""
 
+    kernel_seam = "BertImplSelfAttention"
+
     def __init__(self, config: BertImplConfig):
         super().__init__()
         if config.hidden_size % config.num_attention_heads != 0:
@@ -179,11 +189,16 @@ class BertImplSelfAttention(nn.Module):
         self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size)
 
+    def attention_function(self, impl: str | None):
+        """The attention function `impl` names (`attention_interface`). A kernel seam: `hf_bert_impl.kernelize` may
+        give an instance one that attends per sequence on a packed row (`cu_seq_lens_q`), else calls this one."""
+        return attention_interface(impl)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs: Unpack[TransformersKwargs]):
         """hidden_states (b, s, H) -> (b, s, H), and the probabilities (b, h, s, s) under eager."""
         q, k, v = self.Wqkv(hidden_states).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
         impl = "eager" if kwargs.get("output_attentions") else self.config._attn_implementation
-        attend = ALL_ATTENTION_FUNCTIONS.get(impl, eager_attention_forward)  # transformers' function; eager: ours
+        attend = self.attention_function(impl)  # transformers' function for `impl`; eager: ours
         out, probs = attend(self, q, k, v, attention_mask, scaling=self.scaling,  # q, k, v: (b, h, s, d)
                             dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # out: (b, s, h, d)
         return self.Wo(out.reshape(hidden_states.shape)), probs  # (b, s, H)
@@ -206,6 +221,37 @@ class BertImplLayer(GradientCheckpointingLayer):
         attn_out, _ = self.attn(hidden_states, attention_mask, **kwargs)
         hidden_states = self.attn_norm(hidden_states + self.dropout(attn_out))
         return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
+
+
+class BertImplEncoder(nn.ModuleList):
+    """The `num_hidden_layers` layers of [2] and the attention mask they share, built once. A kernel seam
+    (`kernel_seam`, declared as transformers' `use_kernel_forward_from_hub` declares one): `hf_bert_impl.kernelize` may
+    give it a forward that runs these layers on the real tokens only; the layers and their weights stay as they are."""
+
+    kernel_seam = "BertImplEncoder"
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__(BertImplLayer(config) for _ in range(config.num_hidden_layers))
+        self.config = config
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs: Unpack[TransformersKwargs]):
+        """hidden_states (b, s, H), attention_mask (b, s) (1: token, 0: padding), position_ids (b|1, s) -> (b, s, H).
+        A packed row (b = 1, position ids restarting at 0, no mask) attends within each of its sequences."""
+        packed = None
+        if attention_mask is None and position_ids is not None and hidden_states.size(0) == 1:
+            sequence = position_ids.eq(0).cumsum(-1)  # (1, s): each token's sequence number
+            if "flash" in (self.config._attn_implementation or ""):
+                kwargs.setdefault("position_ids", position_ids)  # flash's varlen path finds the sequences in them
+            elif torch.compiler.is_compiling() or int(sequence[0, -1]) > 1:
+                packed = packed_sequence_mask_function(sequence)
+        config = self.config  # the layers run eager when attentions are asked for: the mask is eager's then
+        if kwargs.get("output_attentions") and config._attn_implementation != "eager":
+            config = copy.copy(config)
+            config._attn_implementation = "eager"
+        mask = create_bidirectional_mask(config, hidden_states, attention_mask, and_mask_function=packed)
+        for layer in self:
+            hidden_states = layer(hidden_states, mask, **kwargs)
+        return hidden_states
 
 
 class BertImplPreTrainedModel(PreTrainedModel):
@@ -245,7 +291,7 @@ class BertImplModel(BertImplPreTrainedModel):
     def __init__(self, config: BertImplConfig, add_pooling_layer: bool = True):
         super().__init__(config)
         self.embeddings = BertImplEmbeddings(config)
-        self.layers = nn.ModuleList([BertImplLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = BertImplEncoder(config)
         H, self.pooler = config.hidden_size, None  # the pooler: tanh(W h_[CLS] + b), [2]'s sentence vector
         if add_pooling_layer:
             self.pooler = nn.Sequential(OrderedDict(dense=nn.Linear(H, H), activation=nn.Tanh()))
@@ -264,20 +310,7 @@ class BertImplModel(BertImplPreTrainedModel):
         (b, H); hidden states and attentions are recorded by transformers' hooks."""
         _check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (b, s, H)
-        packed = None  # a packed row (b = 1, position ids restarting at 0, no mask): attention within each sequence
-        if attention_mask is None and position_ids is not None and hidden_states.size(0) == 1:
-            sequence = position_ids.eq(0).cumsum(-1)  # (1, s): each token's sequence number
-            if "flash" in (self.config._attn_implementation or ""):
-                kwargs.setdefault("position_ids", position_ids)  # flash's varlen path finds the sequences in them
-            elif torch.compiler.is_compiling() or int(sequence[0, -1]) > 1:
-                packed = packed_sequence_mask_function(sequence)
-        config = self.config  # the layers run eager when attentions are asked for: the mask is eager's then
-        if kwargs.get("output_attentions") and config._attn_implementation != "eager":
-            config = copy.copy(config)
-            config._attn_implementation = "eager"
-        mask = create_bidirectional_mask(config, hidden_states, attention_mask, and_mask_function=packed)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, mask, **kwargs)
+        hidden_states = self.layers(hidden_states, attention_mask, position_ids, **kwargs)  # (b, s, H)
         if attention_mask is not None:
             hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)  # zeros at padding
         pooled = self.pooler(hidden_states[:, 0]) if self.pooler is not None else None  # (b, H)
@@ -326,11 +359,18 @@ class _BertImplMLMHeadModel(_BertImplHead):
         self.lm_head.decoder = new_embeddings
 
     def _mlm_logits_and_loss(self, sequence_output, labels, num_items_in_batch):
-        """The MLM head on (b, s, H) states -> logits (b, s, V), and `masked_lm_loss` when (b, s) labels are given."""
+        """The MLM head on (b, s, H) states -> logits (b, s, V), and `masked_lm_loss` when (b, s) labels are given.
+        With `config.sparse_prediction` and labels, the head runs on the n labelled positions only (as ModernBERT's):
+        logits (n, V), the same loss (unlabelled positions add nothing to it)."""
         if labels is not None and tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
             raise ValueError(f"labels have shape {tuple(labels.shape)} but the input has shape "
                              f"{tuple(sequence_output.shape[:-1])}; pass one label per token (-100: none)")
-        logits = self.lm_head(sequence_output)  # (b, s, V)
+        if self.config.sparse_prediction and labels is not None:
+            labels = labels.reshape(-1)  # (b*s,)
+            labelled = labels.ne(IGNORE_INDEX)
+            sequence_output = sequence_output.reshape(labels.size(0), -1)[labelled]  # (n, H)
+            labels = labels[labelled]  # (n,)
+        logits = self.lm_head(sequence_output)  # (b, s, V), or (n, V)
         return logits, None if labels is None else masked_lm_loss(logits, labels, num_items_in_batch)
 
 

@@ -13,16 +13,17 @@ Copy-paste commands:
         --json benchmarks/cpu-amd-zen4_base_autocast.json
     python scripts/benchmark.py --size base --threads 2 --dtype autocast --autocast_scope run --workloads fixed,mixed \
         --json benchmarks/cpu-amd-zen4_base_autocast_scope_run.json   # one autocast context around a serving loop
-    # the CPU runtimes a user would serve transformers' BERT with, beside ours (served: --frozen), in one run
-    python scripts/benchmark.py --size base --threads 2 --frozen --against onnxruntime,openvino,compile \
+    # the CPU runtimes a user would serve transformers' BERT with, beside ours, in one run
+    python scripts/benchmark.py --size base --threads 2 --against onnxruntime,openvino,compile \
         --json benchmarks/cpu-amd-zen3_base_fp32_anchors.json
 
-    # ours' kernels (hf_bert_impl.kernelize(ours, kernels); default auto: each kernel point measured once per shape
-    # class on this machine, the choices and the one-time cost recorded in the JSON and the log): the plain model
-    # alone (not kernelized, as a trust_remote_code user runs it), or kernels forced
+    # ours' kernels (hf_bert_impl.kernelize(ours, kernels); default auto: the kernels of KERNEL_TABLE for the
+    # device, training or inference, and dtype, recorded in the JSON and the log): the plain model alone (not
+    # kernelized, as a trust_remote_code user runs it), or kernels forced by name; a forced set that beats the
+    # table's entry on this machine is the case for changing that entry (docs/benchmarks.md)
     python scripts/benchmark.py --size base --kernels reference
-    python scripts/benchmark.py --size base --kernels onednn_linear,skip_zero_rows
-    python scripts/benchmark.py --size base --workloads mlm,mlm_dense --kernels bits_dropout,unpadded
+    python scripts/benchmark.py --size base --kernels unpadded
+    python scripts/benchmark.py --size base --workloads mlm,mlm_dense --kernels unpadded
 
     # on a GPU (also against transformers' flash-attention when flash-attn is installed)
     python scripts/benchmark.py --size base --dtype bf16 --device cuda --backends sdpa,flash_attention_2 \
@@ -31,27 +32,25 @@ Copy-paste commands:
 What it does, per attention backend (`--backends`, transformers and ours both on that backend):
   1. builds transformers' `BertForMaskedLM` (random BERT init, seeded) and converts it with
      `hf_bert_impl.convert.from_hf_bert`, so both hold the same weights; ours runs `--kernels`, put on
-     by `hf_bert_impl.kernelize(ours, kernels, sparse_prediction=...)` (see hf_bert_impl/kernels_bert_impl.py;
-     `--kernels reference`: the plain model, nothing put on);
+     by `hf_bert_impl.kernelize(ours, kernels)` (see hf_bert_impl/kernels_bert_impl.py; `--kernels reference`:
+     the plain model, nothing put on);
   2. checks the outputs agree (fp32: max |diff| <= 1e-5 on real tokens, MLM loss and gradients;
      bf16 weights or bf16 autocast over float32 weights (`--dtype autocast`, what Trainer's --bf16
      runs): ours within 3x transformers' own error against float32) and stops if not;
   3. times the workloads interleaved (transformers, ours, transformers, ours, ...; warm-up pairs
-     excluded) and reports the median of the per-pair ratios, so machine drift cancels. With
-     `--kernels auto` ours is called once untimed first (its first call per shape class measures the
-     kernels); each workload's row records the kernels ours used (`ours_kernels`: the choices made by
-     then, or the forced set; `kernelized`: how many modules run each kernel function) and the seconds
-     spent measuring them:
+     excluded) and reports the median of the per-pair ratios, so machine drift cancels. Each workload's
+     row records the kernels ours ran (`ours_kernels`: the table's entry for the device, mode and dtype,
+     or the forced set; `kernelized`: how many modules run each kernel function):
        fixed   inference (encoder, no grad), every sequence `--seq_len` tokens;
        mixed   inference on lengths uniform in [seq_len/8, seq_len] (its quantiles, see
                `mixed_lengths`), padded to the longest as a tokenizer pads (tokenizer.pad);
                tokens/s are reported padded and real;
        mlm     one training step: forward, backward and the optimizer Trainer builds (`--optim`,
                default Trainer's: fused AdamW), on grouped text (blocks of seq_len tokens) with
-               15% masking (DataCollatorForLanguageModeling); ours is kernelized with
-               `sparse_prediction=True` (the MLM decoder runs on the masked positions only);
-       mlm_dense  the same step with ours kernelized with `sparse_prediction=False` (full (b, s, V)
-               logits as transformers; with --kernels reference mlm and mlm_dense both run the plain model);
+               15% masking (DataCollatorForLanguageModeling); ours runs with the model option
+               `config.sparse_prediction = True` (the MLM decoder runs on the masked positions only);
+       mlm_dense  the same step with ours' `config.sparse_prediction = False` (full (b, s, V) logits as
+               transformers);
      `--against onnxruntime,openvino,compile` (any of them) instead times, on fixed and mixed, ours (torch)
      beside transformers in torch and the runtimes named: onnxruntime (transformers' BertModel and ours
      exported to ONNX, scripts/export_onnx.py; all graph optimisations), openvino (transformers' BertModel
@@ -94,7 +93,7 @@ from transformers import (
 
 import hf_bert_impl
 from hf_bert_impl import BertImplForMaskedLM, kernels_bert_impl
-from hf_bert_impl.cli import kernel_record_path, machine_record, write_result_json
+from hf_bert_impl.cli import machine_record, write_result_json
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
 from hf_bert_impl.kernels_bert_impl import KERNELS, kernel_names
@@ -161,15 +160,9 @@ class BenchmarkArguments:
                                                     "bf16 units)"})
     kernels: str = field(
         default="auto",
-        metadata={"help": "hf_bert_impl.kernelize(ours, kernels): auto (each kernel measured against the plain model "
-                          "once per shape class on this machine), reference (the plain model alone, not kernelized) "
-                          "or kernel names to force, comma-separated: " + ", ".join(KERNELS)},
-    )
-    frozen: bool = field(
-        default=False,
-        metadata={"help": "hf_bert_impl.kernelize(ours, kernels, frozen=True), as a served model: its weights stay "
-                          "as they are, so auto may run inference on weights packed once (packed_linear), as the "
-                          "runtimes of --against run a converted snapshot"},
+        metadata={"help": "hf_bert_impl.kernelize(ours, kernels): auto (the kernels of its static table for the "
+                          "device, mode and dtype), reference (the plain model alone, not kernelized) or kernel names "
+                          "to force, comma-separated: " + ", ".join(KERNELS)},
     )
     optim: str = field(
         default="adamw_torch_fused",
@@ -261,44 +254,31 @@ def make_optimizer(training_args: TrainingArguments, model):
 
 
 def apply_kernels(args, ours, sparse_prediction: bool):
-    """`--kernels` put on ours by hf_bert_impl.kernelize (replacing what was on it); `sparse_prediction`: with labels
-    the MLM decoder runs on the masked positions only. --kernels reference: every kernel taken off, the plain model."""
-    return hf_bert_impl.kernelize(ours, args.kernels, sparse_prediction=sparse_prediction, frozen=args.frozen)
+    """`--kernels` put on ours by hf_bert_impl.kernelize (replacing what was on it; reference: the plain model), and
+    the model option `sparse_prediction` (with labels, the MLM head runs on the masked positions only)."""
+    ours.config.sparse_prediction = sparse_prediction
+    return hf_bert_impl.kernelize(ours, args.kernels)
 
 
-def kernel_record(args, start_s: float, workload_start_s: float | None = None, model=None) -> dict:
-    """The kernels ours runs under `--kernels`: "auto" -> the choices made in this process by now
-    (kernels_bert_impl.chosen_kernels(): {"point|device|dtype|shape class": kernel or "reference"}), "reference" ->
-    "reference", forced names -> their sorted list; and the seconds spent measuring since `start_s` (the run's start;
-    measuring is a one-time cost per shape class, zero when every choice came from the record file) and since
-    `workload_start_s`. With `model`: `kernelized`, how many of its modules run each kernel function
-    (hf_bert_impl.kernelized; {} for the plain model)."""
-    setting = kernels_bert_impl.parse_setting(args.kernels)
-    now = kernels_bert_impl.measurement_seconds()
-    chosen = setting if setting == "reference" else sorted(setting) if setting != "auto" else \
-        kernels_bert_impl.chosen_kernels()
-    record = {"setting": args.kernels, "frozen": args.frozen, "chosen": chosen, "measurement_s": now - start_s}
-    if workload_start_s is not None:
-        record["measurement_s_workload"] = now - workload_start_s
+def kernel_record(args, model=None, device_type: str = "cpu", training: bool = False, dtype=None) -> dict:
+    """The kernels ours runs under `--kernels`: "auto" -> the table's entry for this device, mode and dtype
+    (kernels_bert_impl.table_kernels), "reference" -> none, forced names -> their sorted list. With `model`:
+    `kernelized`, how many of its modules run each kernel function (hf_bert_impl.kernelized; {} for the plain
+    model)."""
+    setting = kernel_names(args.kernels)
+    if setting == "auto":
+        kernels = list(kernels_bert_impl.table_kernels(device_type, training, dtype or torch.float32))
+    else:
+        kernels = [] if setting == "reference" else sorted(setting)
+    record = {"setting": args.kernels, "kernels": kernels}
     if model is not None:
         record["kernelized"] = dict(sorted(Counter(hf_bert_impl.kernelized(model).values()).items()))
     return record
 
 
 def describe_kernels(record: dict) -> str:
-    """One line of the log: the forced set, or per point how many shape classes chose each kernel, and the cost."""
-    if record["setting"] == "reference":
-        return "reference (the plain model)"
-    if record["setting"] != "auto":
-        return f"{record['setting']} (forced)"
-    per_point: dict[str, dict[str, int]] = {}
-    for key, name in record["chosen"].items():
-        counts = per_point.setdefault(key.split("|")[0], {})
-        counts[name] = counts.get(name, 0) + 1
-    chosen = "; ".join(f"{point} " + ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
-                       for point, counts in sorted(per_point.items()))
-    frozen = ", frozen" if record.get("frozen") else ""
-    return f"auto{frozen}: {chosen or 'nothing measured yet'} (measuring took {record['measurement_s']:.2f} s so far)"
+    """One line of the log: the setting and the kernels it runs."""
+    return f"{record['setting']}: {', '.join(record['kernels']) or 'none (the plain model)'}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -584,17 +564,14 @@ def cuda_peak_and_activations(fn, model, batch, device, training) -> tuple[int, 
 
 
 def matmul_peak_flops(device, dtype, n=None, reps=5) -> dict[str, float]:
-    """Best-of-`reps` FLOP/s of an n x n x n matmul in `dtype`, per kernel: torch.mm (the BLAS) and,
-    on CPU in float32, oneDNN. The faster is the ceiling MFU is measured against."""
+    """Best-of-`reps` FLOP/s of an n x n x n matmul in `dtype` by torch.mm (the BLAS): the ceiling MFU is measured
+    against."""
     # On a GPU a 4096^3 bf16 matmul takes ~0.2 ms, where launch and sync overhead would lower the peak.
     n = n or (8192 if device.type == "cuda" else 1536)
     reps = 10 if device.type == "cuda" else reps
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     kernels = {"torch.mm": lambda: torch.mm(a, b)}
-    onednn = kernels_bert_impl._onednn_op()
-    if onednn is not None and device.type == "cpu" and dtype == torch.float32:
-        kernels["onednn"] = lambda: onednn(a, b, None, "none", [], "")
     result = {}
     for name, kernel in kernels.items():
         best = float("inf")
@@ -642,7 +619,7 @@ def model_flops(config, workload, lengths, n_masked) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_backend(args, backend, device, dtype, tokenizer, peaks, start_s: float = 0.0):
+def run_backend(args, backend, device, dtype, tokenizer, peaks):
     hf, ours = build_models(args, backend, device, dtype)
     batches, lengths, source = make_batches(args, tokenizer, device)
     checks = check_outputs(args, hf, ours, batches, backend)
@@ -665,15 +642,12 @@ def run_backend(args, backend, device, dtype, tokenizer, peaks, start_s: float =
         scope_run = args.autocast_scope == "run" and not training
         context = nullcontext if scope_run else (lambda: precision(args, device))
         fn_a, fn_b = step_fn(hf, workload, batch, opt_a, context), step_fn(ours, workload, batch, opt_b, context)
-        workload_start = kernels_bert_impl.measurement_seconds()
         with precision(args, device) if scope_run else nullcontext():
-            if args.kernels == "auto":  # ours' first call of a shape class measures its kernels: once, untimed
-                fn_b()
             times = interleaved({"transformers": fn_a, "ours": fn_b}, pairs, args.warmup, device)
         peaks.sample()
         flops = model_flops(ours.config, workload, real_lengths, n_masked)
         row = timing_row(times, "transformers", pairs, mask, flops, peaks.best)
-        row["ours_kernels"] = kernel_record(args, start_s, workload_start, ours)
+        row["ours_kernels"] = kernel_record(args, ours, device.type, training, dtype)
         if args.memory:
             for tag, fn, model in (("transformers", fn_a, hf), ("ours", fn_b, ours)):
                 if device.type == "cuda":
@@ -788,9 +762,8 @@ def openvino_runners(hf, threads: int, example: dict) -> dict:
 
 def compiled_runners(hf, ours, precision: str = "f32") -> dict:
     """torch.compile (inductor, its defaults) of transformers' BertModel and of ours as this run puts it on (weights
-    in `precision`), both called with dynamo capturing data-dependent sizes (`capture_dynamic_output_shape_ops`):
-    ours' unpadded layout is traced (its linear and dropout kernels give way to inductor's code); transformers' graph
-    has no such size."""
+    in `precision`), both called with dynamo capturing data-dependent sizes (`capture_dynamic_output_shape_ops`).
+    Under compilation ours' speed layer steps aside: the plain model compiles, as transformers' does."""
     def run(fn, batch):
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
             return fn(**batch).last_hidden_state
@@ -804,7 +777,7 @@ def anchor_versions(anchors) -> dict:
                                            if m in anchors}}
 
 
-def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
+def run_anchors(args, device, tokenizer, peaks):
     """ours (torch) vs the runtimes a user would serve transformers' BERT with, same weights, in one interleaved run:
     transformers in torch (eager, sdpa; the baseline), and per `--against` onnxruntime (transformers' and our ONNX
     export), openvino (f32 hint and its defaults), compile (torch.compile of transformers' and of ours). With
@@ -865,14 +838,13 @@ def run_anchors(args, device, tokenizer, peaks, start_s: float = 0.0):
             batch = {k: batches[workload][k] for k in inputs}
             mask = batch["attention_mask"]
             fns = {tag: (lambda run=run, b=batch: run(b)) for tag, (run, _) in runners.items()}
-            workload_start = kernels_bert_impl.measurement_seconds()
             with torch.no_grad():  # every runner infers
-                for fn in fns.values():  # untimed first calls: ours' kernel measuring, compilers' first shapes
+                for fn in fns.values():  # untimed first calls: the compilers' first shapes
                     fn()
                 times = interleaved(fns, pairs, args.warmup, device)
             flops = model_flops(ours.config, workload, mask.sum(1).tolist(), 0)
             row = timing_row(times, "transformers", pairs, mask, flops, peaks.best)
-            row["ours_kernels"] = kernel_record(args, start_s, workload_start, ours_run)
+            row["ours_kernels"] = kernel_record(args, ours_run, "cpu", False, DTYPES[args.dtype])
             for tag in times:
                 row[tag]["precision"] = runners[tag][1]
                 row[tag]["max_abs_diff_vs_transformers_fp32"] = errors[workload][tag]
@@ -967,7 +939,6 @@ def main(argv=None):
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    start_s = kernels_bert_impl.measurement_seconds()  # measuring before this run (a caller's process): not counted
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = DTYPES[args.dtype]
@@ -980,12 +951,11 @@ def main(argv=None):
     result = {"args": asdict(args), "command": command,
               "machine": info, "device_type": device.type, "backends": {}}
     if args.against != "transformers":
-        result["backends"]["anchors"] = run_anchors(args, device, tokenizer, peaks, start_s)
+        result["backends"]["anchors"] = run_anchors(args, device, tokenizer, peaks)
     for backend in args.backends.split(",") if args.against == "transformers" else ():
-        result["backends"][backend] = run_backend(args, backend, device, dtype, tokenizer, peaks, start_s)
-    result["kernels"] = {**kernel_record(args, start_s), "cache": kernel_record_path()}
-    record = result["kernels"]["cache"] or "off (memory only)"
-    print(f"ours' kernels: {describe_kernels(result['kernels'])}; record: {record}")
+        result["backends"][backend] = run_backend(args, backend, device, dtype, tokenizer, peaks)
+    result["kernels"] = kernel_record(args, None, device.type, False, dtype)
+    print(f"ours' kernels: {describe_kernels(result['kernels'])}")
     peaks.sample()
     # MFU was computed per workload with the best peak seen so far; recompute with the run's best.
     for res in result["backends"].values():

@@ -11,8 +11,8 @@ Copy-paste commands (offline; a full-size run takes about 20 s on one thread of 
     # the plain model (no kernels: padded batches on the whole grid, packed rows on a block-diagonal mask)
     python scripts/benchmark_packing.py --threads 1 --kernels reference \
         --json benchmarks/cpu-amd-zen4_packing_1thread_reference.json
-    # a kernel forced (names of hf_bert_impl/kernels_bert_impl.py), the plain model at every other point
-    python scripts/benchmark_packing.py --threads 1 --kernels unpadded,bits_dropout
+    # kernels forced by name (hf_bert_impl.kernels_bert_impl.KERNELS) instead of the table's
+    python scripts/benchmark_packing.py --threads 1 --kernels unpadded
 
 What it does: batch_size x num_batches token-classification rows from the embedded corpus
 (hf_bert_impl/data.py), each 1 to 8 consecutive sentences of one paragraph (as many as it has), word
@@ -27,10 +27,9 @@ else it stops (exit 1). Then, in training mode (dropout on), forward + backward 
 --optimizer_step true; off by default) is timed per batch, padded then packed, batch by batch, for
 --passes passes after --warmup untimed pairs. Speed-up = padded seconds / packed seconds (all passes;
 min-max of the per-pass ratios beside it). `--kernels` goes to `hf_bert_impl.kernelize(model, kernels)` (default
-auto: each kernel point measured once per shape class, in an untimed training-mode forward over every batch before
-timing; reference: the model is not kernelized, the plain model runs); the JSON's "kernels" records the setting, the
-kernels the model ran (the choices "auto" made, or the forced set), how many modules run each kernel function
-(`kernelized`) and the seconds spent measuring them.
+auto: the kernels of `KERNEL_TABLE` for the device, training mode and dtype; reference: the model is not kernelized,
+the plain model runs); the JSON's "kernels" records the setting, the kernels the model ran in training (the table's
+entry, or the forced set) and how many modules run each kernel function (`kernelized`).
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ import random
 import statistics
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -53,9 +51,9 @@ from transformers import (
 )
 
 import hf_bert_impl
-from hf_bert_impl import BertImplConfig, BertImplForTokenClassification, kernels_bert_impl
+from hf_bert_impl import BertImplConfig, BertImplForTokenClassification
 from hf_bert_impl import data as D
-from hf_bert_impl.cli import machine_record, write_result_json
+from hf_bert_impl.cli import kernel_facts, machine_record, write_result_json
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 from hf_bert_impl.kernels_bert_impl import KERNELS, kernel_names
 
@@ -73,10 +71,11 @@ class PackingArguments:
     max_seq_length: int = field(default=256, metadata={"help": "truncate rows to this many tokens (8 to 512)"})
     passes: int = field(default=3, metadata={"help": "timed passes over all batches"})
     warmup: int = field(default=2, metadata={"help": "untimed (padded, packed) batch pairs before timing"})
-    kernels: str = field(default="auto", metadata={"help": "hf_bert_impl.kernelize(model, kernels): auto (measured), "
-                                                           "reference (the plain model: padded batches run on the "
-                                                           "whole grid, packed rows on a block-diagonal mask) or "
-                                                           "kernel names, comma-separated: " + ", ".join(KERNELS)})
+    kernels: str = field(default="auto", metadata={"help": "hf_bert_impl.kernelize(model, kernels): auto (the "
+                                                           "table's kernels), reference (the plain model: padded "
+                                                           "batches run on the whole grid, packed rows on a "
+                                                           "block-diagonal mask) or kernel names, comma-separated: "
+                                                           + ", ".join(KERNELS)})
     tokenizer_name: str | None = field(default=None, metadata={"help": "a saved tokenizer (default: one trained "
                                                                         "on the corpus)"})
     optimizer_step: bool = field(default=False, metadata={"help": "also time an AdamW step per batch"})
@@ -149,7 +148,6 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     info = machine_record()
     print(f"machine: {info}")
-    measured_before = kernels_bert_impl.measurement_seconds()  # a caller's process may have measured already
 
     if args.tokenizer_name:
         try:
@@ -186,9 +184,6 @@ def main(argv=None):
           f"|diff| {diff:.2e} <= {LOSS_TOLERANCE}")
 
     model.train()
-    if args.kernels == "auto":  # each shape class's first call measures its kernels: all of them now, untimed
-        for b in padded + packed:
-            model(**b)
     for i in range(args.warmup):
         step(model, padded[i % len(padded)], optimizer)
         step(model, packed[i % len(packed)], optimizer)
@@ -204,12 +199,7 @@ def main(argv=None):
     paths = {k: {"seconds": sum(t), "seconds_per_pass": t, "sequences_per_s": len(examples) * args.passes / sum(t),
                  "real_tokens_per_s": real * args.passes / sum(t)} for k, t in per_pass.items()}
     ratios = [a / b for a, b in zip(per_pass["padded"], per_pass["packed"])]
-    setting = kernels_bert_impl.parse_setting(args.kernels)
-    chosen = setting if setting == "reference" else sorted(setting) if setting != "auto" else \
-        kernels_bert_impl.chosen_kernels()
-    kernels = {"setting": args.kernels, "chosen": chosen,
-               "kernelized": dict(sorted(Counter(hf_bert_impl.kernelized(model).values()).items())),
-               "measurement_s": kernels_bert_impl.measurement_seconds() - measured_before}
+    kernels = kernel_facts(model, args.kernels, modes=("training",))  # the timed steps train
     words, tokens = sorted(len(r) for r in rows), sorted(lengths)
     result = {
         "args": asdict(args),
@@ -229,9 +219,8 @@ def main(argv=None):
 
     print(f"{len(rows)} rows: {words[0]} to {words[-1]} words (median {statistics.median(words)}), {tokens[0]} to "
           f"{tokens[-1]} tokens; real tokens {100 * real / grid:.1f} % of the padded grid ({real:,} of {grid:,})")
-    said = " (the plain model)" if setting == "reference" else " (forced)" if setting != "auto" else \
-        f" ({len(kernels['chosen'])} choices, measuring took {kernels['measurement_s']:.2f} s)"
-    print(f"kernels: {args.kernels}{said}")
+    said = "the plain model" if args.kernels == "reference" else ", ".join(kernels["kernels"]["training"]) or "none"
+    print(f"kernels: {args.kernels} ({said})")
     threads = f"{torch.get_num_threads()}" + ("" if args.kernels == "auto" else f", `kernels={args.kernels}`")
     cells = [f"{p['seconds']:.2f} s, {p['sequences_per_s']:.1f} sequences/s, "
              f"{p['real_tokens_per_s']:,.0f} real tokens/s" for p in paths.values()]

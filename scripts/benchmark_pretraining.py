@@ -3,9 +3,9 @@
 For each seed, pretrains for the same training-time budget (`--budget` seconds; evaluation not counted):
   ours          hf-bert-impl with its defaults, through scripts/pretrain_mlm.py itself (`main(argv)`:
                 sinusoidal positions, its seeded per-batch masking collator at 30%, dropout off while pretraining
-                (pretrain_mlm.py's defaults; the saved config keeps BERT's 0.1 for fine-tuning), and the speed layer
-                it applies, `hf_bert_impl.kernelize(model, --kernels, sparse_prediction=True)`: sparse prediction
-                and the kernels it measures on this machine (`--kernels auto`, the default); `--time_budget`)
+                (pretrain_mlm.py's defaults; the saved config keeps BERT's 0.1 for fine-tuning), sparse prediction
+                (`config.sparse_prediction`) and the speed layer it applies, `hf_bert_impl.kernelize(model,
+                --kernels)`: the kernels of its static table (`--kernels auto`, the default); `--time_budget`)
   transformers  transformers' `BertForMaskedLM` with learned positions, `DataCollatorForLanguageModeling` and
                 `Trainer`, under the recipe `--opponent` names: run_mlm.py's own (masking 15%, dropout 0.1, the race's
                 learning rate; the default), any masking rate / dropout / learning rate, or the best of a `--sweep`
@@ -61,7 +61,7 @@ each task's paired test compares it with the defaults'.
     python scripts/benchmark_pretraining.py --corpus fortunes --budget 600 --seeds 0 1 2 --finetune_folds 5 \
         --finetune_rates_from benchmarks/finetune_rates_fortunes.json --out benchmarks/pretraining_10min_fortunes
 
-Writes OUT.json (every curve, the opponent's recipe as it trained, the settings, the kernels ours chose, the machine)
+Writes OUT.json (every curve, the opponent's recipe as it trained, the settings, the kernels ours ran, the machine)
 and OUT.png (held-out loss against training seconds, both models, every seed; beside it the time-to-accuracy
 speed-up at each of transformers' evaluations; with --finetune_sweep also OUT_rates.png, each model's accuracy
 against the rate). Exit status 1 when a check fails (collator cost or parity).
@@ -581,7 +581,7 @@ def collator_cost(train_blocks, tokenizer, batch_size: int, batches: int = 40) -
 def parity_check(args, train, tokenizer, steps: int) -> dict:
     """Ours as transformers' BERT (learned positions, unscaled embeddings, no dropout) from the same weights,
     through the same Trainer settings on the same masked batches: the per-step training losses. Ours runs the speed
-    layer as pretrain_mlm.py trains with it (kernels "auto", sparse prediction)."""
+    layer and sparse prediction as pretrain_mlm.py trains with them (`--kernels`, `config.sparse_prediction`)."""
     from hf_bert_impl.convert import to_hf_bert
 
     train = D.mask_once(train.select(range(min(len(train), steps * args.batch_size))), tokenizer, seed=0)
@@ -596,7 +596,8 @@ def parity_check(args, train, tokenizer, steps: int) -> dict:
     )
     ours = BertImplForMaskedLM(config)
     theirs = to_hf_bert(ours)  # converted from the plain model; the kernels are put on ours after
-    kernelize(ours, args.kernels, sparse_prediction=True)
+    ours.config.sparse_prediction = True
+    kernelize(ours, args.kernels)
     losses = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in (("ours", ours), ("transformers", theirs)):
@@ -1010,7 +1011,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--kernels",
         default="auto",
-        help="ours' speed layer (hf_bert_impl.kernelize): auto (measured on this machine), reference "
+        help="ours' speed layer (hf_bert_impl.kernelize): auto (the table's kernels), reference "
         "(the plain model) or kernel names, comma-separated",
     )
     parser.add_argument("--out", default="outputs/pretraining_race", help="writes OUT.json and OUT.png")
@@ -1448,11 +1449,9 @@ def main(argv=None) -> int:
                 "summary": (
                     summarize(pairs, args.budget, datasets_of=scored, sweep=rate_sweep) if pairs["ours"] else None
                 ),
-                "kernels": {
+                "kernels": {  # both run on the CPU with float32 weights; each run of ours records its own
                     "setting": args.kernels,
-                    "chosen": kernels_bert_impl.chosen_kernels(),  # this process's; each run of ours has its own
-                    "measurement_seconds": round(kernels_bert_impl.measurement_seconds(), 3),
-                    "cache": cli.kernel_record_path(),
+                    "kernels": cli.kernels_in_use(args.kernels, "cpu", torch.float32),
                 },
                 "runs": runs,
                 "finished": finished,
@@ -1497,12 +1496,8 @@ def main(argv=None) -> int:
             )
             + f"; race them on other seeds with --finetune_rates_from {args.out}.json"
         )
-    kernels = report["kernels"]
-    print(
-        f"ours' kernels ({args.kernels}): {len(kernels['chosen'])} measured choices, measuring took "
-        f"{kernels['measurement_seconds']:.2f} s"
-        + "".join(f"\n  {key} -> {name}" for key, name in sorted(kernels["chosen"].items()))
-    )
+    ran = "; ".join(f"{mode}: {', '.join(names) or 'none'}" for mode, names in report["kernels"]["kernels"].items())
+    print(f"ours' kernels ({args.kernels}): {ran}")
     print(f"wrote {args.out}.json and {args.out}.png")
     failed = cost["ratio"] > COLLATOR_COST_LIMIT or (parity is not None and not parity["passed"])
     return 1 if failed else 0

@@ -13,8 +13,8 @@
 # 4. in a fresh process that does not import hf_bert_impl, reloads the result with
 #    AutoModelForSequenceClassification.from_pretrained(dir, trust_remote_code=True), predicts the
 #    held-out test sentences and prints the metrics (and checks they match the fine-tuning run's own)
-# Steps 2 and 3 train with the package's speed layer (hf_bert_impl.kernelize, --kernels auto: each kernel measured
-# against the plain model on this CPU) and save the plain model, which step 4 runs.
+# Steps 2 and 3 train with the package's speed layer (hf_bert_impl.kernelize, --kernels auto: the kernels its static
+# table names for a CPU, training or inference, and dtype) and save the plain model, which step 4 runs.
 # Safe to run twice: each run starts its output directories afresh.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -67,9 +67,8 @@ print(f"pretraining ({steps} steps{took}; held-out topics): perplexity {mlm['per
 print(f"statement topic (test split):  accuracy {cls['test_accuracy']:.4f}, F1 {cls['test_f1']:.4f}, "
       f"MCC {cls['test_matthews_correlation']:.4f}")
 kernels = facts["kernels"]
-chosen = list(kernels["chosen"].values()) if isinstance(kernels["chosen"], dict) else []
-fast = sorted({name for name in chosen if name != "reference"})
-print(f"speed layer (hf_bert_impl.kernelize, --kernels {kernels['setting']}): {len(chosen)} kernel choices "
-      f"(measuring took {kernels['measurement_seconds']:.1f} s); kernels in use: {', '.join(fast) or 'none'}")
+ran = "; ".join(f"{mode}: {', '.join(names) or 'none'}" for mode, names in kernels["kernels"].items())
+print(f"speed layer (hf_bert_impl.kernelize, --kernels {kernels['setting']}): kernels in use ({ran}), "
+      f"sparse prediction {'on' if kernels['sparse_prediction'] else 'off'} while pretraining")
 print(f"model cards: {out}/mlm-tiny/README.md, {out}/statement-topic/README.md; loss curves: loss_curve.png in each")
 EOF

@@ -39,10 +39,11 @@ hf_bert_impl/data.py):
 
 `--model_name_or_path` takes our checkpoints or a transformers BERT (converted on the fly). Every
 `TrainingArguments` option works (`accelerate launch --multi_gpu ...`, --bf16, --gradient_checkpointing).
-The model trains and predicts with the package's speed layer (`hf_bert_impl.kernelize(model, --kernels)`; `--kernels
-reference`: the plain model); the kernels it chose are logged at the end and recorded under "kernels" in
-training_facts.json. The output directory holds the plain model in Hub format, the tokenizer, predictions.jsonl (for
-the test split, else the validation split), training_facts.json, loss_curve.png and the model card README.md.
+The model trains and predicts with the package's speed layer (`hf_bert_impl.kernelize(model, --kernels)`: the kernels
+of its static table for the device, training or inference, and dtype; `--kernels reference`: the plain model); the
+kernels it ran are logged at the end and recorded under "kernels" in training_facts.json. The output directory holds
+the plain model in Hub format, the tokenizer, predictions.jsonl (for the test split, else the validation split),
+training_facts.json, loss_curve.png and the model card README.md.
 
 Metrics are computed only against real labels: a split whose labels are all placeholders (-1 or None,
 as in GLUE's test splits) gets predictions only, and training_facts.json / the model card say so.
@@ -76,7 +77,7 @@ from transformers import (
 )
 
 import hf_bert_impl
-from hf_bert_impl import BertImplForSequenceClassification, BertImplForTokenClassification, cli, kernels_bert_impl
+from hf_bert_impl import BertImplForSequenceClassification, BertImplForTokenClassification, cli
 from hf_bert_impl import data as D
 from hf_bert_impl.hub import BOOKKEEPING_SUFFIXES
 from hf_bert_impl.metrics import METRIC_PATH
@@ -326,7 +327,6 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     cli.check_kernels_argument(model_args.kernels)
-    measured_before = kernels_bert_impl.measurement_seconds()  # measuring done earlier in this process is not ours
     resume = cli.resolve_resume_argument(training_args)
 
     set_seed(training_args.seed)
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
             logger.info("wrote %d predictions for the %s split to %s", len(raw[split]), split, path)
     predictions_file = Path(predictions_files[predict_splits[0]]) if predictions_files else None
     trainer.save_metrics("all", {**final, **other_metrics})
-    kernels = cli.kernel_facts(model, model_args.kernels, measured_before)
+    kernels = cli.kernel_facts(model, model_args.kernels)
     if trainer.is_world_process_zero():
         cli.log_kernel_facts(kernels, logger)
 

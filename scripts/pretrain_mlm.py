@@ -40,15 +40,18 @@ Copy-paste commands (offline; with no data option the embedded corpus is used, s
     # (FSDP needs GPUs: on a CPU-only machine accelerate trains with DDP instead; docs/training.md "Scaling out")
     python scripts/pretrain_mlm.py --output_dir out/mlm-tiny --max_steps 600 --resume_from_checkpoint true
 
-    # the plain model, without the speed layer (or force kernels: --kernels onednn_linear,bits_dropout)
+    # the plain model, without the speed layer (or force kernels by name: --kernels unpadded)
     python scripts/pretrain_mlm.py --output_dir out/plain --max_steps 600 --kernels reference
 
 Every `TrainingArguments` option works (--bf16, --gradient_checkpointing, --torch_compile, --save_steps,
---eval_strategy ...). The model trains with the package's speed layer (`hf_bert_impl.kernelize(model, --kernels,
-sparse_prediction=--sparse_prediction)`); the kernels it chose are logged at the end and recorded under "kernels" in
-training_facts.json. The output directory is in Hub format and holds the plain model: model.safetensors, config.json
-with auto_map, the code files, the tokenizer, training_facts.json, loss_curve.png and README.md (the model card); each
-file of the final save is written complete under a temporary name, then moved into place.
+--eval_strategy ...). The model trains with the package's speed layer (`hf_bert_impl.kernelize(model, --kernels)`:
+the kernels of its static table for the device, training or inference, and dtype) and, by default, sparse prediction
+(`config.sparse_prediction`: with labels, the MLM decoder runs on the masked positions only); the kernels it ran are
+logged at the end and recorded under "kernels" in training_facts.json. The output directory is in Hub format and holds
+the plain model: model.safetensors, config.json with auto_map (sparse prediction off: full logits, as transformers'
+BERT gives), the code files, the tokenizer, training_facts.json, loss_curve.png and README.md (the model card); each
+file of the final save is written complete under a temporary name, then moved into place. The checkpoint-N folders
+saved during training (for --resume_from_checkpoint) keep the config as it trains, sparse prediction included.
 """
 
 from __future__ import annotations
@@ -68,7 +71,6 @@ from hf_bert_impl import (
     BertImplForMaskedLM,
     BertImplForPreTraining,
     cli,
-    kernels_bert_impl,
 )
 from hf_bert_impl import data as D
 from hf_bert_impl.budget import UNBOUNDED_MAX_STEPS, TimeBudget, remove_step_progress_bar
@@ -128,10 +130,9 @@ class ModelArguments:
     sparse_prediction: bool = field(
         default=True,
         metadata={
-            "help": "Run the MLM decoder only on masked positions when labels are given (same loss, less work; "
-            "hf_bert_impl.kernelize(..., sparse_prediction=True); not with --kernels reference, the "
-            "plain model). The saved model is the plain one: it returns full (batch, seq, vocab) "
-            "logits as usual."
+            "help": "Run the MLM decoder only on masked positions when labels are given (same loss, less work): "
+            "the model's config.sparse_prediction while training, whatever --kernels says. The final model in "
+            "--output_dir is saved with it off: it returns full (batch, seq, vocab) logits as usual."
         },
     )
     pretraining_dropout: str = field(
@@ -481,7 +482,6 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the pretraining; returns the final evaluation metrics (empty without validation data)."""
     model_args, data_args, budget_args, training_args = parse_arguments(argv)
     dropout_rate = pretraining_dropout_rate(model_args.pretraining_dropout)
-    measured_before = kernels_bert_impl.measurement_seconds()  # measuring done earlier in this process is not ours
 
     resume = cli.resolve_resume_argument(training_args)
     budget = None
@@ -596,7 +596,9 @@ def main(argv: list[str] | None = None) -> dict:
         model.config.attention_probs_dropout_prob,
     )
     # The speed layer, from outside: the config and every save (checkpoint-N included) stay the plain model's.
-    cli.apply_kernels(model, model_args.kernels, logger, sparse_prediction=model_args.sparse_prediction)
+    cli.apply_kernels(model, model_args.kernels, logger)
+    # A model option, in the config (checkpoint-N folders keep it; the final save below turns it off).
+    model.config.sparse_prediction = model_args.sparse_prediction
     logger.info(
         "model: %s, %.2fM parameters, %s training examples of %d tokens",
         type(model).__name__,
@@ -636,7 +638,9 @@ def main(argv: list[str] | None = None) -> dict:
     if budget is not None:
         remove_step_progress_bar(trainer)  # its total is max_steps; the budget's bar counts seconds
     train_result = trainer.train(resume_from_checkpoint=resume)
+    model.config.sparse_prediction = False  # the saved model gives full logits, as --sparse_prediction's help says
     metrics = cli.save_trained(trainer, train_result)
+    model.config.sparse_prediction = model_args.sparse_prediction  # the evaluation and facts below: as it trained
     eval_metrics = {}
     if evaluation is not None:
         eval_metrics = trainer.evaluate()
@@ -649,7 +653,7 @@ def main(argv: list[str] | None = None) -> dict:
             eval_metrics["unigram_perplexity"] = math.exp(D.unigram_loss(train, evaluation, len(tokenizer)))
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
-    kernels = cli.kernel_facts(model, model_args.kernels, measured_before)
+    kernels = cli.kernel_facts(model, model_args.kernels)
     if trainer.is_world_process_zero():
         cli.log_kernel_facts(kernels, logger)
 

@@ -11,15 +11,6 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# The kernels "auto" chooses are recorded in a file of this test session (subprocesses included), not the user's cache.
-if "HF_BERT_IMPL_KERNEL_CACHE" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    _kernel_dir = tempfile.mkdtemp(prefix="hf_bert_impl_kernels_")
-    atexit.register(shutil.rmtree, _kernel_dir, ignore_errors=True)  # removed when the test session ends
-    os.environ["HF_BERT_IMPL_KERNEL_CACHE"] = os.path.join(_kernel_dir, "kernels.json")
 # Tiny models are dominated by thread start-up, and a 2-core CI machine runs subprocesses beside
 # the test process: one intra-op thread each is several times faster than two fighting ones.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

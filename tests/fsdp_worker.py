@@ -10,9 +10,11 @@ scenario's kernels (as the package's scripts do, before Trainer / accelerate sha
                        the same outputs; a sharded checkpoint (torch.distributed.checkpoint, model + optimizer) after
                        step 2, loaded into a fresh sharded model, resumed -> the uninterrupted run's weights
   plain                never kernelized: the model file alone (the padded batch, masked), as a Hub user runs it
-  unpadded_sparse      forced unpadding, per-sequence attention, skipped decoder rows, sparse_prediction; as default
+  unpadded_sparse      kernels "unpadded" forced, and the model option config.sparse_prediction (logits for the
+                       labelled tokens only); as default
   bf16                 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) vs the float32 one-process run
-  accelerate_grouping  the tied word embeddings + decoder in one group, as accelerate 1.15's FSDP2 groups them
+  accelerate_grouping  kernels "unpadded" forced; the tied word embeddings + decoder in one group, as accelerate 1.15's
+                       FSDP2 groups them
 and `embeddings_apart_error`: what FSDP2 says when BertImplEmbeddings is a group apart from the tied decoder.
 
 Run: python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_worker.py OUT   (the repository on PYTHONPATH)
@@ -250,12 +252,12 @@ def main(out_dir: str) -> None:
     for name, kernels, kw in [  # kernels: kernelize's keyword arguments (None: the plain model)
         ("default", {}, dict(checkpoint=True)),  # kernels "auto": it unpads this padded batch
         ("plain", None, {}),  # the model file alone: the padded batch, masked
-        ("unpadded_sparse", dict(kernels="unpadded,per_sequence_attention,skip_zero_rows", sparse_prediction=True),
-         dict(checkpoint=True)),
+        ("unpadded_sparse", dict(kernels="unpadded"), dict(checkpoint=True)),  # and config.sparse_prediction
         ("bf16", {}, dict(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
-        ("accelerate_grouping", dict(kernels="unpadded,grid_attention"), dict(grouping="accelerate")),
+        ("accelerate_grouping", dict(kernels="unpadded"), dict(grouping="accelerate")),
     ]:
-        results[name] = scenario(name, config, init_state, batches, rank, world, out_dir, kernels, **kw)
+        scenario_config = make_config(sparse_prediction=True) if name == "unpadded_sparse" else config
+        results[name] = scenario(name, scenario_config, init_state, batches, rank, world, out_dir, kernels, **kw)
         if rank == 0:
             print(name, json.dumps(results[name]), flush=True)
     results["embeddings_apart_error"] = embeddings_apart_error(make_config())

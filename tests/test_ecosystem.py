@@ -11,7 +11,7 @@
   eager within 1e-5 on the real tokens.
 - a ModelTester in the manner of transformers' ModelTesterMixin: every head through the same checks (outputs and shapes
   as transformers' head of that task, finite loss, gradient to every parameter, tuples, hidden states and attentions,
-  save / load).
+  save / load), and transformers' common `test_can_set_attention_dynamically`.
 - golden values of all-MiniLM-L6-v2 converted with `from_hf_bert`.
 
 The models are the debug flavour (hidden 32, 2 layers, 4 heads, intermediate 37), converted from transformers' Bert*
@@ -19,6 +19,7 @@ with randomised weights (tests/test_convert.py) unless a test says otherwise. Ea
 (`pytest -s`).
 """
 
+import copy
 import dataclasses
 import re
 import unittest
@@ -369,6 +370,26 @@ def test_model_tester_checks_every_head(model_tester, tmp_path):
     assert type(loaded) is type(model)
     again = t.outputs(loaded)
     assert all(torch.equal(again[k], out[k]) for k in out.keys())
+
+
+def test_can_set_attention_dynamically(model_tester):
+    """transformers' common test `test_can_set_attention_dynamically` (tests/test_modeling_common.py), for every head:
+    built eager, `set_attn_implementation("sdpa")` switches the config, an unknown name is refused with transformers'
+    message and leaves sdpa in place. Our heads must support the switch (the common test would skip; here that is a
+    failure)."""
+    model_class = type(model_tester.model)
+    assert model_class._can_set_attn_implementation(), f"{model_class.__name__} cannot set its attention dynamically"
+    config = copy.deepcopy(model_tester.config)
+    config._attn_implementation = "eager"
+    model = model_class(config)
+    assert model.config._attn_implementation == "eager"
+    parts = [m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]  # the head and its encoder
+    assert all(m._can_set_attn_implementation() and m._supports_sdpa for m in parts)
+    model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match='Specified `attn_implementation="foo"` is not supported'):
+        model.set_attn_implementation("foo")
+    assert model.config._attn_implementation == "sdpa"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from hf_bert_impl import BertImplForMaskedLM, kernelize, kernelized
-from hf_bert_impl import kernels_bert_impl as kernels
 from hf_bert_impl.modeling_bert_impl import (
+    BertImplEncoder,
     BertImplSelfAttention,
     eager_attention_forward,
     masked_lm_loss,
@@ -112,21 +112,24 @@ def test_multihead_matches_seed_reference(debug_config, batch, backend):
     _, attention_mask, _ = batch
     x = torch.randn(attention_mask.shape[0], attention_mask.shape[1], config.hidden_size)
     mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
-    b, s = attention_mask.shape
     with torch.no_grad():
         got, _ = ours(x, mask)  # the plain model: the padded batch, masked
         want = seed(x, mask)
     assert (got - want).abs().max().item() <= 1e-5
-    # the speed layer (kernels_bert_impl.py) on the real tokens only (1, T, H), attention per sequence and on a compact
-    # grid: the same formula on the real tokens
-    for layout in ("per_sequence_attention", "grid_attention"):
-        kernelize(ours, layout)
-        assert kernelized(ours)[""] == "_attention_forward"
-        real = kernels.token_map_kernel(layout, config, attention_mask, None, (b, s), x.dtype, {})
-        assert real.unpadded and (real.seq_lengths is None) == (layout == "grid_attention")
-        with torch.no_grad():
-            got_real, _ = ours(real.gather(x), None, bert_impl_tokens=real)
-        assert (real.scatter(got_real) - want)[attention_mask.bool()].abs().max().item() <= 1e-5, layout
+    # the speed layer's "unpadded" (kernels_bert_impl.py) runs the encoder on the real tokens only, as one packed row
+    # (1, T, H) in which each sequence attends to itself: the same formula on the real tokens
+    encoder = BertImplEncoder(config).eval()
+    encoder[0].attn = ours
+    kernelize(encoder, "unpadded")
+    assert kernelized(encoder)[""] == "unpadded_encoder_forward"
+    assert kernelized(encoder)["0.attn.attention_function"] == "attention_function"  # per sequence: ours, unmasked
+    seen = []
+    ours.register_forward_hook(lambda module, args, out: seen.append(out[0]))
+    with torch.no_grad():
+        encoder(x, attention_mask)
+    real = attention_mask.bool()
+    assert seen[0].shape == (1, int(real.sum()), config.hidden_size)
+    assert (seen[0][0] - want[real]).abs().max().item() <= 1e-5
 
 
 def test_mlm_loss_matches_hand_computation(debug_config):

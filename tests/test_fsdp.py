@@ -36,15 +36,10 @@ from .conftest import REPO_ROOT
 
 FP32_TOL = 1e-5
 FP32_SCENARIOS = ["default", "plain", "unpadded_sparse", "accelerate_grouping"]
-# the kernel functions each scenario's kernelize put on the model (kernels_bert_impl.kernelized)
-KERNELIZED = {
-    "default": ["_attention_forward", "_dense_mlm_logits_and_loss", "_dropout_forward", "_encoder_forward",
-                "_linear_forward", "_lm_head_forward", "_mlp_forward"],
-    "plain": [],
-    "unpadded_sparse": ["_attention_forward", "_dropout_forward", "_encoder_forward", "_linear_forward",
-                        "_lm_head_forward", "_mlp_forward", "_sparse_mlm_logits_and_loss"],
-}
-KERNELIZED["bf16"] = KERNELIZED["accelerate_grouping"] = KERNELIZED["default"]
+# the kernel functions each scenario's kernelize put on the model (kernels_bert_impl.kernelized): the encoder seam's
+# forward and every nn.Dropout's (a forward that follows the setting at each call)
+KERNELIZED = {"default": ["attention_function", "unpadded_encoder_forward"], "plain": []}
+KERNELIZED["unpadded_sparse"] = KERNELIZED["bf16"] = KERNELIZED["accelerate_grouping"] = KERNELIZED["default"]
 
 
 def _gloo_missing() -> str | None:
@@ -101,9 +96,9 @@ def fsdp(tmp_path_factory):
 @pytest.mark.parametrize("name", FP32_SCENARIOS)
 def test_fsdp2_training_equals_one_process(fsdp, name):
     """Each model kernelized before sharding, as the scripts do. default: kernelize(model) (kernels "auto": it unpads
-    this batch); plain: never kernelized, the model file alone (padded, masked); unpadded_sparse: forced unpadding,
-    per-sequence attention, skipped decoder rows, sparse prediction; accelerate_grouping: the tied embeddings + decoder
-    as one FSDP group, as accelerate's FSDP2 wraps them."""
+    this batch); plain: never kernelized, the model file alone (padded, masked); unpadded_sparse: "unpadded" forced
+    and the model option sparse_prediction (logits for the labelled tokens only); accelerate_grouping: "unpadded"
+    forced, the tied embeddings + decoder as one FSDP group, as accelerate's FSDP2 wraps them."""
     r = fsdp[name]
     assert r["kernelized"] == KERNELIZED[name], r["kernelized"]
     assert r["sharded"] and r["param_dtypes"] == ["torch.float32"] and r["optimizer_state_dtypes"] == ["torch.float32"]
@@ -131,8 +126,8 @@ def test_fsdp2_training_equals_one_process(fsdp, name):
 def test_full_state_dict_to_save_pretrained_and_back(fsdp, name):
     """get_model_state_dict(full_state_dict=True, cpu_offload=True) on rank 0 -> save_pretrained -> from_pretrained:
     every weight (the tied decoder included), bit-identical; kernelized as the sharded model was, the sharded model's
-    logits on the whole batch (1e-6); the plain model loaded from it (never kernelized) within the kernels' float32
-    tolerance (1e-5 of the largest logit, kernels_bert_impl.TOLERANCE)."""
+    logits on the whole batch (1e-6); the plain model loaded from it (never kernelized) within the design's float32
+    tolerance (1e-5 of the largest logit)."""
     r = fsdp[name]
     keys = r["full_state_dict_keys"]
     assert "lm_head.decoder.weight" in keys and "bert.embeddings.word_embeddings.weight" in keys

@@ -429,14 +429,15 @@ def test_pickled_weights_with_a_payload_run_no_code(saved, tmp_path):
 
 
 def test_no_config_field_is_rewritten_by_a_save(tmp_path, debug_config):
-    """A save writes the model's config as it is: non-default values of every kind come back from config.json
-    unchanged, and a kernelized model (sparse_prediction=True included) saves the same config.json and weights as
-    the plain one (0.5 rewrote sparse_prediction in the saved file)."""
+    """A save writes the model's config as it is: non-default values of every kind (the model option
+    sparse_prediction included) come back from config.json unchanged, and a kernelized model saves the same
+    config.json and weights as the plain one (0.5 rewrote sparse_prediction in the saved file)."""
     from hf_bert_impl import kernelize, kernelized
 
     config = debug_config(hidden_act="relu", classifier_dropout=0.3, layer_norm_eps=1e-7, initializer_range=0.05,
                           position_embedding_type="learned", max_position_embeddings=64, scale_word_embeddings=True,
-                          hidden_dropout_prob=0.2, type_vocab_size=3, pad_token_id=1, num_labels=3)
+                          hidden_dropout_prob=0.2, type_vocab_size=3, pad_token_id=1, num_labels=3,
+                          sparse_prediction=True)
     torch.manual_seed(0)
     model = BertImplForMaskedLM(config)
     model.save_pretrained(tmp_path / "plain")
@@ -447,17 +448,18 @@ def test_no_config_field_is_rewritten_by_a_save(tmp_path, debug_config):
     fields = BertImplConfig.__init__.__code__.co_varnames[1:BertImplConfig.__init__.__code__.co_argcount]
     assert all(written[f] == live[f] for f in fields), [f for f in fields if written.get(f) != live[f]]
     assert (written["hidden_act"], written["classifier_dropout"], written["pad_token_id"]) == ("relu", 0.3, 1)
+    assert written["sparse_prediction"] is True
     reloaded = BertImplConfig.from_pretrained(tmp_path / "plain").to_dict()
     assert {k: v for k, v in reloaded.items() if k != "_name_or_path"} == {
         k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
-    kernelize(model, sparse_prediction=True)
-    assert "._mlm_logits_and_loss" in kernelized(model)
+    kernelize(model, "unpadded")
+    assert kernelized(model)["bert.layers"] == "unpadded_encoder_forward"
     model.save_pretrained(tmp_path / "kernelized")
     assert sorted(p.name for p in (tmp_path / "kernelized").iterdir()) == sorted(
         p.name for p in (tmp_path / "plain").iterdir())
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "kernelized" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
-    assert not {"sparse_prediction", "kernels"} & set(written)
+    assert not {"kernels", "unpad_inputs", "onednn_linear"} & set(written)
 
 
 def test_checkpoint_missing_encoder_weights_lists_them_in_missing_keys(saved):

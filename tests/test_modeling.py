@@ -42,6 +42,8 @@ ATOL = 1e-5  # float32, unit-scale activations (docs/formulas.md, tolerances)
         ({"layer_norm_eps": 0}, "layer_norm_eps"),
         ({"pad_token_id": -1}, "pad_token_id"),
         ({"scale_word_embeddings": 1}, "scale_word_embeddings"),
+        ({"sparse_prediction": "yes"}, "sparse_prediction"),
+        ({"sparse_prediction": None}, "sparse_prediction"),
     ],
 )
 def test_invalid_config_names_field_and_value(overrides, field):
@@ -102,20 +104,21 @@ def test_config_passes_the_config_tester_checks(config_class, tmp_path):
 
 
 def test_old_config_with_retired_speed_fields_loads_without_them(debug_config, tmp_path):
-    """0.3-0.5 saved speed switches in config.json (`kernels`, `sparse_prediction`, `unpad_inputs`, `onednn_linear`).
-    Such a file loads; the fields are dropped (the speed layer is `hf_bert_impl.kernelize`), so the loaded model is
-    the plain one (full (b, s, V) logits with labels) and a new save does not carry them."""
+    """0.3-0.5 saved speed switches in config.json (`kernels`, `unpad_inputs`, `onednn_linear`). Such a file loads;
+    the fields are dropped (the speed layer is `hf_bert_impl.kernelize`), so the loaded model is the plain one and a
+    new save does not carry them. (`sparse_prediction`, a retired switch too until 0.6, is a model option again: see
+    the sparse prediction tests below.)"""
     import json
 
     BertImplForMaskedLM(debug_config()).save_pretrained(tmp_path / "old")
     saved = json.loads((tmp_path / "old" / "config.json").read_text())
-    retired = {"kernels": "onednn_linear,bits_dropout", "sparse_prediction": True, "unpad_inputs": True,
-               "onednn_linear": True}
+    retired = {"kernels": "onednn_linear,bits_dropout", "unpad_inputs": True, "onednn_linear": True}
     (tmp_path / "old" / "config.json").write_text(json.dumps({**saved, **retired}))
     config = BertImplConfig.from_pretrained(tmp_path / "old")
     model = BertImplForMaskedLM.from_pretrained(tmp_path / "old").eval()
     for loaded in (config, model.config):
         assert not any(hasattr(loaded, name) for name in retired), [n for n in retired if hasattr(loaded, n)]
+        assert loaded.sparse_prediction is False
     assert hf_bert_impl.kernelized(model) == {}
     ids = torch.randint(5, 99, (2, 7))
     assert model(ids, labels=ids).logits.shape == (2, 7, 99)
@@ -426,6 +429,91 @@ def test_bad_inputs_raise_value_error(debug_config, batch, case, match):
         kwargs = {"input_ids": input_ids[0]}
     with pytest.raises(ValueError, match=match):
         model(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse MLM prediction (config.sparse_prediction, as ModernBERT's): with labels, the head on the labelled rows only
+
+
+def _mlm_labels(input_ids, attention_mask, seed=7):
+    chosen = (torch.rand(input_ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.3) & attention_mask.bool()
+    chosen[0, 0] = True
+    return torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+
+
+@pytest.mark.parametrize("num_items_in_batch", [None, 50])
+def test_sparse_prediction_matches_dense(debug_config, batch, num_items_in_batch):
+    """Logits (n, V) for the n labelled tokens (row i is labels[labels != -100][i]), the dense logits at those tokens,
+    the same loss (the hand-computed one, divided by n or num_items_in_batch) and the same gradients, within 1e-5."""
+    torch.manual_seed(0)
+    dense = BertImplForMaskedLM(debug_config()).train()
+    sparse = copy.deepcopy(dense)
+    sparse.config.sparse_prediction = True
+    assert dense.config.sparse_prediction is False  # the default, and the copies' configs are their own
+    input_ids, attention_mask, token_type_ids = batch
+    labels = _mlm_labels(input_ids, attention_mask)
+    kw = {"attention_mask": attention_mask, "token_type_ids": token_type_ids, "labels": labels,
+          "num_items_in_batch": num_items_in_batch}
+    d, s = dense(input_ids, **kw), sparse(input_ids, **kw)
+    keep = labels.ne(-100)
+    assert d.logits.shape == (*input_ids.shape, 99) and s.logits.shape == (int(keep.sum()), 99)
+    assert (s.logits - d.logits[keep]).abs().max().item() <= ATOL
+    assert abs(s.loss.item() - d.loss.item()) <= ATOL
+    nll = -torch.log_softmax(d.logits[keep].double(), -1).gather(1, labels[keep][:, None]).sum()
+    assert abs(s.loss.item() - (nll / (num_items_in_batch or keep.sum())).item()) <= ATOL
+    d.loss.backward()
+    s.loss.backward()
+    for (name, p), q in zip(dense.named_parameters(), sparse.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= ATOL, name
+
+
+def test_sparse_prediction_gives_full_logits_without_labels(debug_config, batch):
+    model = BertImplForMaskedLM(debug_config(sparse_prediction=True)).eval()
+    input_ids, attention_mask, _ = batch
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask)
+    assert out.logits.shape == (*input_ids.shape, 99) and out.loss is None
+
+
+def test_sparse_prediction_on_the_pretraining_head(debug_config, batch):
+    """BertImplForPreTraining: prediction_logits (n, V), the same loss (MLM + NSP) and NSP logits as dense."""
+    torch.manual_seed(0)
+    dense = BertImplForPreTraining(debug_config()).eval()
+    sparse = copy.deepcopy(dense)
+    sparse.config.sparse_prediction = True
+    input_ids, attention_mask, _ = batch
+    labels = _mlm_labels(input_ids, attention_mask)
+    nsp = torch.randint(0, 2, (input_ids.size(0),), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        d = dense(input_ids, attention_mask=attention_mask, labels=labels, next_sentence_label=nsp)
+        s = sparse(input_ids, attention_mask=attention_mask, labels=labels, next_sentence_label=nsp)
+    keep = labels.ne(-100)
+    assert s.prediction_logits.shape == (int(keep.sum()), 99)
+    assert (s.prediction_logits - d.prediction_logits[keep]).abs().max().item() <= ATOL
+    assert abs(s.loss.item() - d.loss.item()) <= ATOL
+    assert (s.seq_relationship_logits - d.seq_relationship_logits).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_mlm_labels_of_the_wrong_shape_raise(debug_config, batch, sparse):
+    model = BertImplForMaskedLM(debug_config(sparse_prediction=sparse))
+    input_ids, attention_mask, _ = batch
+    with pytest.raises(ValueError, match=r"labels have shape \(13, 6\) but the input has shape \(13, 7\)"):
+        model(input_ids, attention_mask=attention_mask, labels=input_ids[:, :6])
+
+
+def test_sparse_prediction_is_saved_and_loaded_with_the_config(debug_config, tmp_path):
+    """A model option: it travels in config.json; a saved config without it (older saves) loads as False."""
+    import json
+
+    BertImplForMaskedLM(debug_config(sparse_prediction=True)).save_pretrained(tmp_path / "on")
+    BertImplForMaskedLM(debug_config()).save_pretrained(tmp_path / "off")
+    assert json.loads((tmp_path / "on" / "config.json").read_text())["sparse_prediction"] is True
+    assert BertImplForMaskedLM.from_pretrained(tmp_path / "on").config.sparse_prediction is True
+    off = json.loads((tmp_path / "off" / "config.json").read_text())
+    off.pop("sparse_prediction", None)
+    (tmp_path / "off" / "config.json").write_text(json.dumps(off))
+    assert BertImplForMaskedLM.from_pretrained(tmp_path / "off").config.sparse_prediction is False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -307,8 +307,9 @@ def test_streamed_blocks_equal_the_loaded_ones(files):
 def test_pretrain_streaming_from_local_files(pretrain, files, tmp_path, fmt):
     """--streaming on a text / JSON lines / parquet file: IterableDataset input, tokenizer trained from the
     stream's first --tokenizer_train_samples texts, blocks packed as they stream in; the run writes a
-    complete model directory, and its checkpoint (written while the model trains kernelized) is the plain
-    model: no speed-layer field in its config, full logits."""
+    complete model directory; its checkpoint (written while the model trains kernelized) holds no speed-layer field
+    and keeps the config as it trains (sparse_prediction on: logits for the labelled tokens only, full logits without
+    labels), while the final model is saved with sparse_prediction off."""
     texts = (files / "train.txt").read_text().splitlines()
     path = tmp_path / f"corpus.{fmt}"
     if fmt == "txt":
@@ -327,13 +328,19 @@ def test_pretrain_streaming_from_local_files(pretrain, files, tmp_path, fmt):
     facts = json.loads((out / "training_facts.json").read_text())
     assert facts["hyperparameters"]["streaming"] is True and facts["hyperparameters"]["max_steps"] == 3
     checkpoint_config = json.loads((out / "checkpoint-2" / "config.json").read_text())
-    assert "sparse_prediction" not in checkpoint_config and "kernels" not in checkpoint_config
+    assert checkpoint_config["sparse_prediction"] is True and "kernels" not in checkpoint_config
     assert facts["kernels"]["sparse_prediction"] is True  # the training ran with sparse prediction
+    assert not json.loads((out / "config.json").read_text()).get("sparse_prediction", False)
     from hf_bert_impl import BertImplForMaskedLM
 
     model = BertImplForMaskedLM.from_pretrained(out / "checkpoint-2")
     ids = torch.randint(5, 100, (2, 9))
-    assert model(ids, labels=ids).logits.shape == (2, 9, model.config.vocab_size)
+    labels = torch.full_like(ids, -100)
+    labels[:, 3] = ids[:, 3]
+    assert model(ids, labels=labels).logits.shape == (2, model.config.vocab_size)
+    assert model(ids).logits.shape == (2, 9, model.config.vocab_size)
+    final = BertImplForMaskedLM.from_pretrained(out)
+    assert final(ids, labels=labels).logits.shape == (2, 9, final.config.vocab_size)
 
 
 def test_pretrain_pack_sequences(pretrain, files, tmp_path):

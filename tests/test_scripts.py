@@ -87,12 +87,12 @@ def write_jsonl(path, rows):
 
 def assert_hub_directory(out: Path, architecture: str):
     """Weights, config with auto_map for the head, the Hub code files (the plain model only: no kernel file), a
-    tokenizer, training_args.bin, facts, PNG, card; no field of the speed layer in the config, no staging folder
-    left."""
+    tokenizer, training_args.bin, facts, PNG, card; no field of the speed layer in the config and the training option
+    sparse_prediction off (the saved model gives full logits), no staging folder left."""
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "bert_impl" and config["architectures"] == [architecture]
     assert config["auto_map"]["AutoConfig"] == "configuration_bert_impl.BertImplConfig"
-    assert "kernels" not in config and "sparse_prediction" not in config, sorted(config)
+    assert "kernels" not in config and not config.get("sparse_prediction", False), sorted(config)
     for name in (
         "model.safetensors",
         *CODE_FILES,
@@ -122,8 +122,8 @@ def recomputed_accuracies(
 ) -> dict:
     """The held-out accuracies of the model saved in `out`, recomputed here, outside the script's metric code: its
     validation file cut into blocks (pairs with `nsp`) and masked once with seed + 1 as pretrain_mlm.py does, the
-    saved weights kernelized as the script evaluated them (auto, sparse prediction; the choices of this process) in
-    its evaluation batches, argmax against the labels. The masking rate is the one training_facts.json says the
+    saved weights kernelized as the script evaluated them (auto, with the model option sparse_prediction) in its
+    evaluation batches, argmax against the labels. The masking rate is the one training_facts.json says the
     held-out blocks were masked at. Returns the accuracies and the number of masked positions."""
     from transformers import AutoTokenizer
 
@@ -138,7 +138,8 @@ def recomputed_accuracies(
     )
     held_out = D.mask_once(blocks, tokenizer, seed + 1, rate, whole_word_mask)
     model = (BertImplForPreTraining if nsp else BertImplForMaskedLM).from_pretrained(out).eval()
-    kernelize(model, "auto", sparse_prediction=True)
+    model.config.sparse_prediction = True
+    kernelize(model, "auto")
     collate = D.MLMCollator(tokenizer)  # examples masked once already: only padded
     hits = positions = pair_hits = 0
     for start in range(0, len(held_out), batch_size):
@@ -390,7 +391,7 @@ def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_pa
     assert (
         kernels["setting"] == "auto"
         and kernels["sparse_prediction"] is False
-        and kernels["modules"]["_linear_forward"]
+        and kernels["kernelized"]["unpadded_encoder_forward"] == 1
     )
     predictions = read_jsonl(out / "predictions.jsonl")
     assert [p["sentence"] for p in predictions] == task["test"]["sentence"]
@@ -540,8 +541,7 @@ def test_masked_accuracy_is_the_same_with_sparse_and_full_predictions(pretrain):
         batches.append((ids, labels))
     results = {}
     for sparse in (False, True):
-        # sparse: only the layout changes ("skip_zero_rows" acts in the backward only); full: the plain model
-        kernelize(model, "skip_zero_rows", sparse_prediction=True) if sparse else kernelize(model, "reference")
+        model.config.sparse_prediction = sparse  # sparse: logits (n, V) for the labelled tokens; full: (b, s, V)
         with torch.no_grad():
             logits = [model(ids, labels=labels).logits for ids, labels in batches]
         assert [tuple(x.shape) for x in logits] == [
@@ -570,19 +570,17 @@ def _built_model(script, monkeypatch) -> dict:
 
 
 def test_pretrain_mlm_applies_the_speed_layer_and_saves_the_plain_model(
-    pretrain, files, tmp_path, monkeypatch, caplog
+    pretrain, files, tmp_path, monkeypatch
 ):
-    """Default --kernels auto: the model trains kernelized with sparse prediction, the choices are logged and recorded
-    in training_facts.json (each one a choice of this process), and the save is the plain model's: config.json
-    without a kernels / sparse_prediction field and the same as a --kernels reference run's, the same files and weight
-    names and shapes, full (b, s, V) logits once loaded. --kernels reference trains the plain model: no module
-    kernelized, no kernel choice made or consulted. The auto run saves into a symlinked folder that holds another
-    file: the link stays a link, the other file stays, no staging folder is left."""
-    import logging
-
+    """Default --kernels auto: the model trains kernelized (the table's kernels) with sparse prediction, recorded in
+    training_facts.json (the setting, the kernels per mode, how many modules run each kernel function, sparse
+    prediction), and the save is the plain model's: config.json without a kernels field, sparse_prediction off, the
+    same as a --kernels reference run's, the same files and weight names and shapes, full (b, s, V) logits once
+    loaded. --kernels reference trains the plain model (no module kernelized), with sparse prediction still on (a model
+    option, not a kernel). The auto run saves into a symlinked folder that holds another file: the link stays a link,
+    the other file stays, no staging folder is left."""
     from safetensors import safe_open
 
-    from hf_bert_impl import kernels_bert_impl
     from hf_bert_impl.cli import UsageError
 
     target = tmp_path / "target"
@@ -596,19 +594,15 @@ def test_pretrain_mlm_applies_the_speed_layer_and_saves_the_plain_model(
     )
     with pytest.raises(UsageError, match="--kernels: kernels must be .* got 'fastest'"):
         pretrain.main(["--output_dir", str(tmp_path / "bad"), *common, "--kernels", "fastest"])
-    caplog.set_level(logging.INFO, logger="pretrain_mlm")
     seen = _built_model(pretrain, monkeypatch)
     pretrain.main(["--output_dir", str(link), *common])  # --kernels auto, --sparse_prediction: the defaults
     auto_model = seen["model"]
     facts = json.loads((target / "training_facts.json").read_text())["kernels"]
     assert facts["setting"] == "auto" and facts["sparse_prediction"] is True
-    linears = sum(type(m) is torch.nn.Linear for m in auto_model.modules())
-    assert facts["modules"]["_linear_forward"] == linears and facts["modules"]["_sparse_mlm_logits_and_loss"] == 1
-    assert facts["modules"] == dict(sorted(Counter(kernelized(auto_model).values()).items()))
-    made = kernels_bert_impl.chosen_kernels()
-    assert facts["chosen"] and all(made[key] == name for key, name in facts["chosen"].items())
-    assert any(key.startswith("linear|cpu|float32|") and "|train|" in key for key in facts["chosen"])
-    assert f"kernels auto: {len(facts['chosen'])} choices" in caplog.text
+    assert facts["kernels"] == {"training": ["unpadded"], "inference": ["unpadded"]}  # CPU, float32
+    layers = auto_model.config.num_hidden_layers
+    assert facts["kernelized"] == {"attention_function": layers, "unpadded_encoder_forward": 1}
+    assert facts["kernelized"] == dict(sorted(Counter(kernelized(auto_model).values()).items()))
     assert link.is_symlink() and (target / "notes.txt").read_text() == "kept"
     assert not list(target.glob(STAGING_PREFIX + "*")) and (target / "model.safetensors").is_file()
 
@@ -616,17 +610,15 @@ def test_pretrain_mlm_applies_the_speed_layer_and_saves_the_plain_model(
     plain_out = tmp_path / "plain"
     pretrain.main(["--output_dir", str(plain_out), *common, "--kernels", "reference"])
     assert kernelized(seen["model"]) == {}
-    assert kernels_bert_impl.chosen_kernels() == made, "the reference run consulted a kernel point"
     assert json.loads((plain_out / "training_facts.json").read_text())["kernels"] == {
         "setting": "reference",
-        "sparse_prediction": False,
-        "chosen": "reference",
-        "measurement_seconds": 0.0,
-        "modules": {},
+        "kernels": {"training": [], "inference": []},
+        "kernelized": {},
+        "sparse_prediction": True,
     }
 
     configs = [json.loads((d / "config.json").read_text()) for d in (target, plain_out)]
-    assert "kernels" not in configs[0] and "sparse_prediction" not in configs[0]
+    assert "kernels" not in configs[0] and not configs[0].get("sparse_prediction", False)
     assert configs[0] == configs[1]
     assert sorted(p.name for p in target.iterdir() if p.name != "notes.txt") == sorted(
         p.name for p in plain_out.iterdir()
