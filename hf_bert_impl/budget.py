@@ -42,8 +42,13 @@ class TimeBudget(TrainerCallback):
     clock is read from there). clock: a function returning seconds (time.perf_counter; tests pass a fake).
     """
 
-    def __init__(self, seconds: float, eval_interval: float | None = None, resume_from: str | None = None,
-                 clock=time.perf_counter):
+    def __init__(
+        self,
+        seconds: float,
+        eval_interval: float | None = None,
+        resume_from: str | None = None,
+        clock=time.perf_counter,
+    ):
         if not seconds or seconds <= 0:
             raise ValueError(f"a time budget must be a positive number of seconds, got {seconds!r}")
         if eval_interval is not None and eval_interval <= 0:

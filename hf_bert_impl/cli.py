@@ -115,8 +115,14 @@ def plot_loss_curve(log_history: list[dict], path, title: str = "loss") -> Path:
     if evals:
         ax.plot(*zip(*evals), "o-", label="evaluation loss")
     if not (train or evals):
-        ax.text(0.5, 0.5, "no loss was logged (raise the step count or lower --logging_steps)",
-                ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no loss was logged (raise the step count or lower --logging_steps)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.set_title(title)
@@ -130,14 +136,25 @@ def plot_loss_curve(log_history: list[dict], path, title: str = "loss") -> Path:
     return path
 
 
-def write_training_facts(output_dir, *, task, dataset, base_model, hyperparameters, metrics,
-                         loss_curve=LOSS_CURVE_FILE, **extra) -> Path:
+def write_training_facts(
+    output_dir, *, task, dataset, base_model, hyperparameters, metrics, loss_curve=LOSS_CURVE_FILE, **extra
+) -> Path:
     """`output_dir/training_facts.json`, the facts `hf_bert_impl.hub.save_model_card` puts in the card.
     Metrics that are not finite numbers (e.g. a perplexity that overflowed) are left out."""
-    clean = {k: float(v) for k, v in metrics.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    facts = {"task": task, "dataset": dataset, "base_model": base_model, "hyperparameters": hyperparameters,
-             "metrics": clean, "loss_curve": loss_curve, **extra}
+    clean = {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    facts = {
+        "task": task,
+        "dataset": dataset,
+        "base_model": base_model,
+        "hyperparameters": hyperparameters,
+        "metrics": clean,
+        "loss_curve": loss_curve,
+        **extra,
+    }
     path = Path(output_dir) / FACTS_FILE
     path.write_text(json.dumps(facts, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     return path

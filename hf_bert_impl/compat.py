@@ -5,13 +5,17 @@ Where an API the scripts, conversion or Hub helpers use differs between those re
 small named function here, and the rest of the package calls that function; never a version check
 scattered through the code. Each shim uses the newer API when it exists (detected by the API itself,
 not by a version number) and says what the older release lacks. The Hub files (modeling_ and
-configuration_bert_impl.py) keep their own shims: they travel without this package. tests/test_compat.py runs the scripts, the conversion and the card rendering under
-transformers 4.57.6 and 5.0.0 (docs/compatibility.md).
+configuration_bert_impl.py) keep their own shims: they travel without this package. tests/test_compat.py runs the
+scripts, the conversion and the card rendering under transformers 4.57.6 and 5.0.0 (docs/compatibility.md).
 
-| shim | transformers 5.x / huggingface_hub 1.x | transformers 4.57 / huggingface_hub 0.3x |
-|---|---|---|
-| `bert_tokenizer_from_vocab` | `BertTokenizerFast(vocab={token: id})` | `BertTokenizerFast(vocab_file=...)` only: the vocabulary goes through a vocab.txt |
-| `language_modeling_collator` | `DataCollatorForLanguageModeling(whole_word_mask=True)` sets [MASK]-only replacement itself | the same class raises a TypeError at construction unless that replacement is passed explicitly |
+The shims, with what transformers 5.x / huggingface_hub 1.x does and what transformers 4.57 / huggingface_hub 0.3x
+does instead:
+
+- `bert_tokenizer_from_vocab`: 5.x takes `BertTokenizerFast(vocab={token: id})`; 4.57 takes
+  `BertTokenizerFast(vocab_file=...)` only: the vocabulary goes through a vocab.txt.
+- `language_modeling_collator`: 5.x's `DataCollatorForLanguageModeling(whole_word_mask=True)` sets [MASK]-only
+  replacement itself; 4.57's same class raises a TypeError at construction unless that replacement is passed
+  explicitly.
 
 Everything else the package calls is the same on both lines and needs no shim: `Trainer(processing_class=)`,
 the `TrainingArguments` fields the scripts use (`use_cpu`, `eval_strategy`, ...), `DataCollatorWithFlattening

@@ -23,8 +23,8 @@ import re
 from pathlib import Path
 
 import torch
-from torch import nn
 import transformers
+from torch import nn
 from transformers import BertConfig
 
 from . import modeling_bert_impl
@@ -32,6 +32,7 @@ from .configuration_bert_impl import BertImplConfig
 from .heads import HEAD_TABLE
 from .hub import TOKENIZER_FILES
 from .modeling_bert_impl import BertImplModel, BertImplPreTrainedModel
+
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,9 @@ HF_TO_BERT_IMPL: dict[str, str | None] = {
 # Our fused projection Wqkv = cat([W^Q; W^K; W^V], dim=0) (weights and biases): joined from, and
 # split back into, these three transformers keys, in this order.
 JOINED_QKV: dict[str, tuple[str, str, str]] = {
-    f"bert.layers.{{}}.attn.Wqkv.{p}": tuple(f"bert.encoder.layer.{{}}.attention.self.{n}.{p}" for n in ("query", "key", "value"))
+    f"bert.layers.{{}}.attn.Wqkv.{p}": tuple(
+        f"bert.encoder.layer.{{}}.attention.self.{n}.{p}" for n in ("query", "key", "value")
+    )
     for p in ("weight", "bias")
 }
 
@@ -100,14 +103,31 @@ OUR_TO_HF_ARCH = {ours: hf for hf, ours in ARCHITECTURES.items()}
 
 # Config fields with the same name and meaning on both sides.
 SHARED_CONFIG_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-    "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings", "type_vocab_size",
-    "initializer_range", "layer_norm_eps", "pad_token_id", "classifier_dropout", "tie_word_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "hidden_act",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "initializer_range",
+    "layer_norm_eps",
+    "pad_token_id",
+    "classifier_dropout",
+    "tie_word_embeddings",
 )
 # Task labels; num_labels follows from id2label.
 LABEL_FIELDS = ("id2label", "label2id", "problem_type")
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 # A sentence-transformers model directory: these files beside the weights, plus one folder per
@@ -226,7 +246,9 @@ def resolve_source_dir(source: str | Path) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise ValueError(f"{str(source)!r} is a file, not a checkpoint directory; pass the directory that holds config.json")
+        raise ValueError(
+            f"{str(source)!r} is a file, not a checkpoint directory; pass the directory that holds config.json"
+        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -235,8 +257,14 @@ def resolve_source_dir(source: str | Path) -> Path:
     except HFValidationError:
         raise ValueError(f"no such directory: {str(source)!r} (and it is not a Hub id either)") from None
     try:
-        patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES,
-                    *SENTENCE_TRANSFORMERS_FILES, "*/config.json"]  # sentence-transformers modules too
+        patterns = [
+            "config.json",
+            "*.safetensors",
+            "*.safetensors.index.json",
+            *TOKENIZER_FILES,
+            *SENTENCE_TRANSFORMERS_FILES,
+            "*/config.json",
+        ]  # sentence-transformers modules too
         local = Path(snapshot_download(str(source), allow_patterns=patterns))
         if not any((local / f).exists() for f in WEIGHT_FILES[:2]):
             local = Path(snapshot_download(str(source), allow_patterns=[*patterns, "pytorch_model.bin*"]))
@@ -381,7 +409,8 @@ def convert_hf_state_dict(hf_state: dict[str, torch.Tensor], num_layers: int, ti
             qkv_parts.setdefault(fused, [None, None, None])[i] = tensor
     if unexpected:
         raise ValueError(
-            f"checkpoint keys that match no row of the conversion table (num_hidden_layers={num_layers}): {sorted(unexpected)}"
+            "checkpoint keys that match no row of the conversion table "
+            f"(num_hidden_layers={num_layers}): {sorted(unexpected)}"
         )
     for fused, parts in qkv_parts.items():
         if any(p is None for p in parts):
@@ -422,7 +451,9 @@ def from_hf_bert(source, model_class: type[BertImplPreTrainedModel] | None = Non
         hf_state = read_hf_state_dict(directory)
         arch = None
     else:
-        raise ValueError(f"source must be a directory, a Hub id or a transformers Bert* model, got {type(source).__name__}")
+        raise ValueError(
+            f"source must be a directory, a Hub id or a transformers Bert* model, got {type(source).__name__}"
+        )
 
     if model_class is not None and model_class not in OUR_TO_HF_ARCH:
         raise ValueError(f"model_class must be one of {[c.__name__ for c in OUR_TO_HF_ARCH]}, got {model_class!r}")
@@ -447,7 +478,8 @@ def from_hf_bert(source, model_class: type[BertImplPreTrainedModel] | None = Non
     unused = sorted(k for k in ours if k not in expected)
     shape_errors = [
         f"{_hf_names(k)}: checkpoint {tuple(ours[k].shape)} vs config {tuple(expected[k].shape)}"
-        for k in ours if k in expected and ours[k].shape != expected[k].shape
+        for k in ours
+        if k in expected and ours[k].shape != expected[k].shape
     ]
     if shape_errors:
         raise ValueError(f"shape mismatch for {len(shape_errors)} key(s): {shape_errors}")
@@ -459,17 +491,23 @@ def from_hf_bert(source, model_class: type[BertImplPreTrainedModel] | None = Non
             f"{[_hf_names(k) for k in missing]}, unexpected keys {[_hf_names(k) for k in unused]}"
         )
     if unused:
-        logger.warning("from_hf_bert: %s has no use for the %s head weights %s; dropped", model_class.__name__, arch, unused)
+        logger.warning(
+            "from_hf_bert: %s has no use for the %s head weights %s; dropped", model_class.__name__, arch, unused
+        )
         for k in unused:
             del ours[k]
     if missing:
-        logger.warning("from_hf_bert: %s head weights %s are not in the %s checkpoint; freshly initialised",
-                       model_class.__name__, missing, arch)
+        logger.warning(
+            "from_hf_bert: %s head weights %s are not in the %s checkpoint; freshly initialised",
+            model_class.__name__,
+            missing,
+            arch,
+        )
     if dropped:
         logger.info("from_hf_bert: dropped checkpoint buffers %s", dropped)
 
     prefix = "bert." if _is_base(model_class) else ""
-    result = model.load_state_dict({k[len(prefix):]: v for k, v in ours.items()}, strict=False)
+    result = model.load_state_dict({k[len(prefix) :]: v for k, v in ours.items()}, strict=False)
     leftover = [k for k in result.missing_keys if prefix + k not in tied_targets and prefix + k not in missing]
     if leftover or result.unexpected_keys:
         raise ValueError(f"internal conversion error: missing {leftover}, unexpected {result.unexpected_keys}")
@@ -509,7 +547,9 @@ def to_hf_bert(model: BertImplPreTrainedModel) -> transformers.BertPreTrainedMod
     hf_model = hf_cls(hf_config, **kwargs)
     if config.position_embedding_type == "sinusoidal":
         encoding = model.base_model.embeddings.position_encoding  # (P, H): the formula, evaluated once
-        ours["bert.embeddings.position_embeddings.weight"] = encoding.to(ours["bert.embeddings.word_embeddings.weight"].dtype)
+        ours["bert.embeddings.position_embeddings.weight"] = encoding.to(
+            ours["bert.embeddings.word_embeddings.weight"].dtype
+        )
     hf_prefix = "bert." if _is_base(hf_cls) else ""
     hf_state, used, unmapped = {}, set(), []
     for hf_key in hf_model.state_dict():

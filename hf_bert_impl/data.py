@@ -117,10 +117,12 @@ def _split_80_10_10(rows, features, rng) -> datasets.DatasetDict:
     rng.shuffle(rows)
     n = len(rows)
     cut1, cut2 = int(0.8 * n), int(0.9 * n)
-    return datasets.DatasetDict({
-        name: datasets.Dataset.from_list(part, features=features)
-        for name, part in (("train", rows[:cut1]), ("validation", rows[cut1:cut2]), ("test", rows[cut2:]))
-    })
+    return datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_list(part, features=features)
+            for name, part in (("train", rows[:cut1]), ("validation", rows[cut1:cut2]), ("test", rows[cut2:]))
+        }
+    )
 
 
 def statement_topic_task(seed: int = 0, min_words: int = 6, max_words: int = 40) -> datasets.DatasetDict:
@@ -129,8 +131,10 @@ def statement_topic_task(seed: int = 0, min_words: int = 6, max_words: int = 40)
     'Assignment statements', ... 20 topics), 0 ("other") for the other sections (expressions, data
     model, types, literals, ...). The label is read off the section title, never set by hand.
     Each distinct sentence appears once; splits 80 / 10 / 10 by sentence, shuffled with `seed`."""
-    rows = [{"sentence": text, "label": int("statement" in doc["title"].lower())}
-            for text, doc in _corpus_sentences(min_words, max_words)]
+    rows = [
+        {"sentence": text, "label": int("statement" in doc["title"].lower())}
+        for text, doc in _corpus_sentences(min_words, max_words)
+    ]
     features = datasets.Features(
         {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["other", "statement"])}
     )
@@ -205,7 +209,9 @@ def train_wordpiece_tokenizer(texts, vocab_size: int = 8000, min_frequency: int 
             continuing.update(word[1:])
     fixed_order = sorted(alphabet) + ["##" + char for char in sorted(continuing)]
     trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS + fixed_order,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS + fixed_order,
         show_progress=False,
     )
     tok.train_from_iterator(strings(), trainer=trainer)
@@ -217,8 +223,15 @@ def train_wordpiece_tokenizer(texts, vocab_size: int = 8000, min_frequency: int 
 # MLM examples
 
 
-def tokenize_and_group(dataset, tokenizer, max_seq_length: int, text_column: str = "text", num_proc=None, desc="",
-                       with_offsets: bool = False):
+def tokenize_and_group(
+    dataset,
+    tokenizer,
+    max_seq_length: int,
+    text_column: str = "text",
+    num_proc=None,
+    desc="",
+    with_offsets: bool = False,
+):
     """Tokenize with `datasets.map` (batched, cached), concatenate everything and cut it into blocks
     of `max_seq_length` tokens: [CLS] + (max_seq_length - 2) corpus tokens + [SEP]. The tail shorter
     than a block is dropped, as in transformers' run_mlm.py. `with_offsets` keeps each token's
@@ -619,8 +632,9 @@ def fortunes(directory: str | os.PathLike = FORTUNES_DIR) -> dict[str, list[str]
     return topics
 
 
-def fortune_topic_task(seed: int = 0, directory: str | os.PathLike = FORTUNES_DIR,
-                       topics=FORTUNE_TOPICS) -> datasets.DatasetDict:
+def fortune_topic_task(
+    seed: int = 0, directory: str | os.PathLike = FORTUNES_DIR, topics=FORTUNE_TOPICS
+) -> datasets.DatasetDict:
     """Which topic file a fortune comes from, among `topics` (columns "sentence" and "label"; chance 1 / len(topics)):
     the label is the file's name, never set by hand. Each topic keeps as many fortunes as the smallest of them has
     (drawn with `seed`), so the classes are balanced; splits 80 / 10 / 10, shuffled with `seed`."""

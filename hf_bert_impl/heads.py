@@ -24,13 +24,29 @@ HEAD_TABLE = (
     # tagged fill-mask as Google's BERT is; its output has no `logits`, so the card's fill-mask
     # pipeline loads the MLM head from it (hub.PIPELINE_HEAD)
     Head("BertImplForPreTraining", "AutoModelForPreTraining", "BertForPreTraining", "fill-mask"),
-    Head("BertImplForNextSentencePrediction", "AutoModelForNextSentencePrediction", "BertForNextSentencePrediction",
-         "next-sentence-prediction"),
-    Head("BertImplForSequenceClassification", "AutoModelForSequenceClassification", "BertForSequenceClassification",
-         "text-classification"),
-    Head("BertImplForTokenClassification", "AutoModelForTokenClassification", "BertForTokenClassification",
-         "token-classification"),
-    Head("BertImplForQuestionAnswering", "AutoModelForQuestionAnswering", "BertForQuestionAnswering",
-         "question-answering"),
+    Head(
+        "BertImplForNextSentencePrediction",
+        "AutoModelForNextSentencePrediction",
+        "BertForNextSentencePrediction",
+        "next-sentence-prediction",
+    ),
+    Head(
+        "BertImplForSequenceClassification",
+        "AutoModelForSequenceClassification",
+        "BertForSequenceClassification",
+        "text-classification",
+    ),
+    Head(
+        "BertImplForTokenClassification",
+        "AutoModelForTokenClassification",
+        "BertForTokenClassification",
+        "token-classification",
+    ),
+    Head(
+        "BertImplForQuestionAnswering",
+        "AutoModelForQuestionAnswering",
+        "BertForQuestionAnswering",
+        "question-answering",
+    ),
     Head("BertImplForMultipleChoice", "AutoModelForMultipleChoice", "BertForMultipleChoice", "multiple-choice"),
 )

@@ -29,21 +29,33 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from .configuration_bert_impl import AUTO_MAP, SAVED_BEFORE, word_embedding_scale
 from .heads import HEAD_TABLE
 
+
 NOT_RECORDED = "not recorded"
 FACTS_FILE = "training_facts.json"
 CARD_FILE = "README.md"
 # A wheel install ships the template inside the package (pyproject's package-dir mapping); a source
 # checkout or editable install has it at the repository root.
 TEMPLATE_PATH = next(
-    (p for p in (Path(__file__).resolve().parent / "model_cards" / "model_card.md",
-                 Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md") if p.is_file()),
+    (
+        p
+        for p in (
+            Path(__file__).resolve().parent / "model_cards" / "model_card.md",
+            Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md",
+        )
+        if p.is_file()
+    ),
     Path(__file__).resolve().parent.parent / "model_cards" / "model_card.md",
 )
 CODE_FILES = ("configuration_bert_impl.py", "modeling_bert_impl.py")  # the Hub files
 # Tokenizer files copied verbatim when present: a fast tokenizer (tokenizer.json) or a WordPiece
 # vocabulary (vocab.txt) is required, the rest describes special tokens and the tokenizer class.
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
 LICENSE = "apache-2.0"
 TAGS = ["bert", "bert_impl", "hf-bert-impl", "custom_code"]
 
@@ -53,13 +65,25 @@ TAGS = ["bert", "bert_impl", "hf-bert-impl", "custom_code"]
 # the MLM head loaded from its checkpoint (PIPELINE_HEAD).
 HEAD_INFO = {head.name: (head.auto_class, head.task) for head in HEAD_TABLE}
 PIPELINE_HEAD = {"BertImplForPreTraining": "AutoModelForMaskedLM"}
-PIPELINE_TAGS = ("feature-extraction", "fill-mask", "text-classification", "token-classification",
-                 "question-answering")
+PIPELINE_TAGS = (
+    "feature-extraction",
+    "fill-mask",
+    "text-classification",
+    "token-classification",
+    "question-answering",
+)
 LOCAL_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".safetensors", ".bin")
 # Trainer bookkeeping that is not a quality measurement (metric-name suffixes): kept out of the
 # model-index (the Hub's leaderboards read the model-index) and out of fine-tuning's split metrics.
-BOOKKEEPING_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "epoch", "total_flos", "step",
-                        "training_seconds")
+BOOKKEEPING_SUFFIXES = (
+    "runtime",
+    "samples_per_second",
+    "steps_per_second",
+    "epoch",
+    "total_flos",
+    "step",
+    "training_seconds",
+)
 # Baselines a run reports beside its own metrics (pretrain_mlm.py's perplexity of a model blind to context):
 # shown in the card's table, kept out of the model-index, which holds the model's own results.
 BASELINE_PREFIXES = ("unigram_",)
@@ -84,7 +108,9 @@ def load_config_dict(model_dir: str | os.PathLike) -> dict:
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not path.is_file():
-        raise ValueError(f"{model_dir} has no config.json; save the model there with model.save_pretrained({str(model_dir)!r})")
+        raise ValueError(
+            f"{model_dir} has no config.json; save the model there with model.save_pretrained({str(model_dir)!r})"
+        )
     config = _read_json(path, "config")
     if config.get("model_type") != "bert_impl":
         raise ValueError(
@@ -175,7 +201,9 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
     architectures = config.get("architectures") or ["BertImplModel"]
     architecture = architectures[0]
     if architecture not in HEAD_INFO:
-        raise ValueError(f"{model_dir / 'config.json'}: unknown architecture {architecture!r}; expected one of {sorted(HEAD_INFO)}")
+        raise ValueError(
+            f"{model_dir / 'config.json'}: unknown architecture {architecture!r}; expected one of {sorted(HEAD_INFO)}"
+        )
     auto_class, head_task = HEAD_INFO[architecture]
     task = facts.get("task") or head_task
     pipeline_tag = task if task in PIPELINE_TAGS else None
@@ -190,7 +218,9 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
     metrics = facts.get("metrics") or {}
     loss_curve = facts.get("loss_curve")
     if loss_curve and not (model_dir / loss_curve).is_file():
-        raise ValueError(f"{model_dir / FACTS_FILE} names loss_curve {loss_curve!r}, but {model_dir / loss_curve} does not exist")
+        raise ValueError(
+            f"{model_dir / FACTS_FILE} names loss_curve {loss_curve!r}, but {model_dir / loss_curve} does not exist"
+        )
 
     model_name = repo_id.split("/")[-1] if repo_id else model_dir.resolve().name
     eval_results = None
@@ -198,9 +228,16 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
         # model-index wants a dataset id as the type; data that is not on the Hub is typed "local"
         dataset_type = dataset if _is_hub_id(dataset) else "local"
         eval_results = [
-            EvalResult(task_type=task, dataset_type=dataset_type, dataset_name=dataset, metric_type=_metric_id(name),
-                       metric_name=name, metric_value=value,
-                       dataset_config=facts.get("dataset_config"), dataset_split=facts.get("dataset_split"))
+            EvalResult(
+                task_type=task,
+                dataset_type=dataset_type,
+                dataset_name=dataset,
+                metric_type=_metric_id(name),
+                metric_name=name,
+                metric_value=value,
+                dataset_config=facts.get("dataset_config"),
+                dataset_split=facts.get("dataset_split"),
+            )
             for name, value in metrics.items()
             if _is_quality_metric(name)
         ] or None
@@ -217,7 +254,9 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
         eval_results=eval_results,
     )
     if not TEMPLATE_PATH.is_file():
-        raise FileNotFoundError(f"model-card template {TEMPLATE_PATH} is missing; reinstall hf-bert-impl from its repository")
+        raise FileNotFoundError(
+            f"model-card template {TEMPLATE_PATH} is missing; reinstall hf-bert-impl from its repository"
+        )
     return ModelCard.from_template(
         card_data,
         template_path=str(TEMPLATE_PATH),
@@ -241,12 +280,28 @@ def build_model_card(model_dir: str | os.PathLike, repo_id: str | None = None) -
         # splits whose labels were placeholders (GLUE test: -1): predicted, never scored
         unlabeled_splits=sorted((facts.get("unlabeled_splits") or {}).items()),
         loss_curve=loss_curve,
-        **{k: config.get(k, NOT_RECORDED) for k in (
-            "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
-            "max_position_embeddings", "position_embedding_type")},
-        word_embedding_scale=round(word_embedding_scale(
-            config.get("scale_word_embeddings", SAVED_BEFORE["scale_word_embeddings"]),
-            config.get("position_embedding_type"), config["hidden_size"]), 4) if "hidden_size" in config else None,
+        **{
+            k: config.get(k, NOT_RECORDED)
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "intermediate_size",
+                "vocab_size",
+                "max_position_embeddings",
+                "position_embedding_type",
+            )
+        },
+        word_embedding_scale=round(
+            word_embedding_scale(
+                config.get("scale_word_embeddings", SAVED_BEFORE["scale_word_embeddings"]),
+                config.get("position_embedding_type"),
+                config["hidden_size"],
+            ),
+            4,
+        )
+        if "hidden_size" in config
+        else None,
     )
 
 
@@ -270,17 +325,20 @@ def _dataset_text(facts: dict) -> str:
 
 def _metric_id(name: str) -> str:
     """Trainer's `eval_accuracy` -> the metric id `accuracy`."""
-    return name[len("eval_"):] if name.startswith("eval_") else name
+    return name.removeprefix("eval_")
 
 
 # The card's size row, as model_cards/model_card.md renders it.
-_SIZE_ROW = re.compile(r"^\| Size \| (\d+) layers, hidden (\d+), (\d+) heads, feed-forward (\d+), vocabulary (\d+) \|$", re.M)
-_SNIPPET_LOADER = re.compile(r"^model = (\w+)\.from_pretrained\(", re.M)
+_SIZE_ROW = re.compile(
+    r"^\| Size \| (\d+) layers, hidden (\d+), (\d+) heads, feed-forward (\d+), vocabulary (\d+) \|$", re.MULTILINE
+)
+_SNIPPET_LOADER = re.compile(r"^model = (\w+)\.from_pretrained\(", re.MULTILINE)
 _SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 def _is_quality_metric(name: str) -> bool:
-    """A metric that belongs in the model-index: not Trainer's bookkeeping, not a training-set number, not a baseline."""
+    """A metric that belongs in the model-index: not Trainer's bookkeeping, not a training-set number, not a
+    baseline."""
     return not name.endswith(BOOKKEEPING_SUFFIXES) and not name.startswith(("train_", *BASELINE_PREFIXES))
 
 
@@ -300,17 +358,26 @@ def validate_model_card(card: ModelCard, model_dir: str | os.PathLike) -> None:
 
     architecture = (config.get("architectures") or ["BertImplModel"])[0]
     if architecture not in HEAD_INFO:
-        raise ValueError(f"{model_dir / 'config.json'}: unknown architecture {architecture!r}; expected one of {sorted(HEAD_INFO)}")
+        raise ValueError(
+            f"{model_dir / 'config.json'}: unknown architecture {architecture!r}; expected one of {sorted(HEAD_INFO)}"
+        )
     auto_class, head_task = HEAD_INFO[architecture]
     expected_tag = head_task if head_task in PIPELINE_TAGS else None
     if data.get("pipeline_tag") != expected_tag:
-        problems.append(f"pipeline_tag is {data.get('pipeline_tag')!r}, but config.json's head {architecture} "
-                        f"does {head_task!r} (pipeline_tag {expected_tag!r})")
+        problems.append(
+            f"pipeline_tag is {data.get('pipeline_tag')!r}, but config.json's head {architecture} "
+            f"does {head_task!r} (pipeline_tag {expected_tag!r})"
+        )
     if f"| Head | `{architecture}` (load with `{auto_class}`) |" not in parsed.text:
-        problems.append(f"the head row does not name config.json's head {architecture} and its Auto class {auto_class}")
+        problems.append(
+            f"the head row does not name config.json's head {architecture} and its Auto class {auto_class}"
+        )
     loaders = set(_SNIPPET_LOADER.findall(parsed.text))
     if loaders != {auto_class}:
-        problems.append(f"the usage snippets load the model with {sorted(loaders)}, not with {auto_class}, the Auto class of {architecture}")
+        problems.append(
+            f"the usage snippets load the model with {sorted(loaders)}, not with {auto_class}, "
+            f"the Auto class of {architecture}"
+        )
 
     size = _SIZE_ROW.search(parsed.text)
     stated = dict(zip(_SIZE_FIELDS, map(int, size.groups()))) if size else None
@@ -320,13 +387,22 @@ def validate_model_card(card: ModelCard, model_dir: str | os.PathLike) -> None:
 
     results = data.eval_results or []
     indexed = {r.metric_name: r.metric_value for r in results}
-    recorded = {k: v for k, v in (facts.get("metrics") or {}).items() if _is_quality_metric(k)} if facts.get("dataset") else {}
+    recorded = (
+        {k: v for k, v in (facts.get("metrics") or {}).items() if _is_quality_metric(k)}
+        if facts.get("dataset")
+        else {}
+    )
     if indexed != recorded or len(results) != len(indexed):
-        problems.append(f"model-index metrics {indexed} are not the run's quality metrics {recorded} (training_facts.json)")
+        problems.append(
+            f"model-index metrics {indexed} are not the run's quality metrics {recorded} (training_facts.json)"
+        )
     for result in results:
         if result.task_type != head_task or result.dataset_name != facts.get("dataset"):
-            problems.append(f"model-index result {result.metric_name!r} is for task {result.task_type!r} on "
-                            f"{result.dataset_name!r}, but the run trained {architecture} ({head_task!r}) on {facts.get('dataset')!r}")
+            problems.append(
+                f"model-index result {result.metric_name!r} is for task {result.task_type!r} on "
+                f"{result.dataset_name!r}, but the run trained {architecture} ({head_task!r}) "
+                f"on {facts.get('dataset')!r}"
+            )
     if problems:
         raise ValueError(f"model card of {model_dir} disagrees with the model: " + "; ".join(problems))
 
@@ -402,7 +478,9 @@ def build_upload_folder(model_dir: str | os.PathLike, repo_id: str, out: str | o
     check_repo_id(repo_id)
     config = check_model_dir(model_dir)
     if out.exists() and any(out.iterdir()):
-        raise ValueError(f"output folder {str(out)!r} is not empty; pick a new folder so that it holds exactly the upload")
+        raise ValueError(
+            f"output folder {str(out)!r} is not empty; pick a new folder so that it holds exactly the upload"
+        )
     out.mkdir(parents=True, exist_ok=True)
 
     model_cls = getattr(hf_bert_impl, config["architectures"][0])
@@ -467,7 +545,9 @@ def push_model_dir(
     owner = repo_id.split("/")[0]
     allowed = {user.get("name")} | {org.get("name") for org in user.get("orgs") or []}
     if owner not in allowed:
-        raise ValueError(f"logged in as {user.get('name')!r}, who cannot write to {owner!r}; pushable owners: {sorted(allowed)}")
+        raise ValueError(
+            f"logged in as {user.get('name')!r}, who cannot write to {owner!r}; pushable owners: {sorted(allowed)}"
+        )
 
     with tempfile.TemporaryDirectory(prefix="bert_impl_push_") as tmp:
         build_upload_folder(model_dir, repo_id, tmp)

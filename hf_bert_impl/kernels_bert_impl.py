@@ -66,8 +66,9 @@ def kernel_names(setting) -> str | frozenset:
     accepted = (list, tuple, set, frozenset)
     names = [n.strip() if isinstance(n, str) else n for n in names] if isinstance(names, accepted) else []
     if not names or any(n not in KERNELS for n in names):
-        raise ValueError(f"kernels must be 'auto', 'reference' or kernel names from {KERNELS} (comma-separated), "
-                         f"got {setting!r}")
+        raise ValueError(
+            f"kernels must be 'auto', 'reference' or kernel names from {KERNELS} (comma-separated), got {setting!r}"
+        )
     return frozenset(names)
 
 
@@ -89,9 +90,14 @@ def _runs(kernel: str, setting, x: torch.Tensor, training: bool) -> bool:  # `ke
 def _warn_compiled() -> None:  # once per process (Python's warning registry), while dynamo traces: no graph break
     from torch._dynamo.comptime import comptime
 
-    comptime(lambda ctx: warnings.warn("hf_bert_impl.kernelize: under torch.compile the layers run on the padded "
-                                       "batch, as the plain model does; the unpadded layout runs in eager mode only",
-                                       UserWarning, stacklevel=1))
+    comptime(
+        lambda ctx: warnings.warn(
+            "hf_bert_impl.kernelize: under torch.compile the layers run on the padded "
+            "batch, as the plain model does; the unpadded layout runs in eager mode only",
+            UserWarning,
+            stacklevel=1,
+        )
+    )
 
 
 def unpadded_encoder_forward(self, hidden_states, attention_mask=None, position_ids=None, *, setting, **kwargs):
@@ -102,12 +108,19 @@ def unpadded_encoder_forward(self, hidden_states, attention_mask=None, position_
     position ids restarting at each sequence give the plain model's block mask instead. One host read of the mask.
     Everything else (no padding, recorded outputs, other attention backends, compiled graphs) is the plain forward."""
     plain = type(self).forward
-    recording = any(kwargs.get(f"output_{n}", getattr(self.config, f"output_{n}", False))  # asked, or the config's
-                    for n in ("attentions", "hidden_states"))
+    recording = any(
+        kwargs.get(f"output_{n}", getattr(self.config, f"output_{n}", False))  # asked, or the config's
+        for n in ("attentions", "hidden_states")
+    )
     impl = self.config._attn_implementation or "eager"
     cpu = hidden_states.device.type == "cpu"
-    if (attention_mask is None or recording or not (impl in ("eager", "sdpa") if cpu else "flash" in impl)
-            or attention_mask.dim() != 2 or not _runs("unpadded", setting, hidden_states, self.training)):
+    if (
+        attention_mask is None
+        or recording
+        or not (impl in ("eager", "sdpa") if cpu else "flash" in impl)
+        or attention_mask.dim() != 2
+        or not _runs("unpadded", setting, hidden_states, self.training)
+    ):
         return plain(self, hidden_states, attention_mask, position_ids, **kwargs)
     if torch.compiler.is_compiling():  # the real token count is a size the graph would depend on
         _warn_compiled()
@@ -121,8 +134,12 @@ def unpadded_encoder_forward(self, hidden_states, attention_mask=None, position_
     total = sum(counts)
     indices = keep.flatten().nonzero_static(size=total).squeeze(1)  # (T,) row-major: each sequence's tokens together
     cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).int()  # (b + 1,) where each sequence starts, then T
-    varlen = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": max(counts),
-              "max_length_k": max(counts)}
+    varlen = {
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max(counts),
+        "max_length_k": max(counts),
+    }
     positions = None  # (1, T) restarting at each sequence, where a layer's attention would not read `varlen`
     if cpu and all("attention_function" in _kernels_of(layer.attn) for layer in self):
         varlen["seq_lengths"] = tuple(counts)  # `per_sequence_attention` splits by them without another read
@@ -156,8 +173,10 @@ def attention_function(self, impl, *, setting):
 
 
 # a model class's `kernel_seam` -> (the method "unpadded" replaces on its instances, the kernel)
-_SEAMS = {"BertImplEncoder": ("forward", unpadded_encoder_forward),
-          "BertImplSelfAttention": ("attention_function", attention_function)}
+_SEAMS = {
+    "BertImplEncoder": ("forward", unpadded_encoder_forward),
+    "BertImplSelfAttention": ("attention_function", attention_function),
+}
 _OURS = (unpadded_encoder_forward, attention_function)
 
 
@@ -194,5 +213,8 @@ def kernelize(model: nn.Module, kernels="auto") -> nn.Module:
 
 def kernelized(model: nn.Module) -> dict[str, str]:
     """{module name: the kernel function put on it} for every module `kernelize` changed."""
-    return {name + ("" if attribute == "forward" else f".{attribute}"): fn.__name__
-            for name, module in model.named_modules() for attribute, fn in _kernels_of(module).items()}
+    return {
+        name + ("" if attribute == "forward" else f".{attribute}"): fn.__name__
+        for name, module in model.named_modules()
+        for attribute, fn in _kernels_of(module).items()
+    }

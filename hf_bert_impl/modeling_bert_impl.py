@@ -44,6 +44,7 @@ except ImportError:  # 4.57 / 5.0: the same contract under its older name
 try:  # 5.x: the mask in `config._attn_implementation`'s format (None: none); positional (5.0 says input_embeds)
     from transformers.masking_utils import create_bidirectional_mask
 except ImportError:  # 4.57: flash takes the 2-D mask, eager and sdpa an additive (b, 1, s, s) one
+
     def create_bidirectional_mask(config, inputs_embeds, attention_mask, and_mask_function=None):
         (b, s), dtype, i = inputs_embeds.shape[:2], inputs_embeds.dtype, torch.arange(inputs_embeds.size(1))
         if "flash" in config._attn_implementation or attention_mask is None and and_mask_function is None:
@@ -60,6 +61,8 @@ def attention_interface(name: str | None):
     if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
         return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
     return ALL_ATTENTION_FUNCTIONS.get(name, eager_attention_forward)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -78,8 +81,16 @@ def _sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:  # rows at positions
     return torch.stack([angle.sin(), angle.cos()], -1).flatten(-2)[..., :dim].float()  # sin, cos interleaved
 
 
-def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
     """Scaled dot-product attention of [1]: softmax(QKᵀ/√d_k + M) V. q, k, v: (b, h, s, d); M: boolean (True:
     attend) or additive, broadcastable to (b, h, s, s). Returns the output (b, s, h, d) and the probabilities."""
     scores = torch.matmul(query, key.transpose(-2, -1)) * scaling  # (b, h, s, s)
@@ -113,11 +124,17 @@ def _check_inputs(config, input_ids, attention_mask, token_type_ids, position_id
     if P is not None and position_ids is None:  # learned positions: the table's rows must cover 0 .. s-1
         position_ids = torch.arange(shape[1])[None]
     V, T, ids = config.vocab_size, config.type_vocab_size, "contains {}, outside [0, %s); check the model's tokenizer"
-    checks = {"input_ids": (input_ids, V, "input_ids " + ids % f"vocab_size={V}"),
-              "token_type_ids": (token_type_ids, T, "token_type_ids " + ids % f"type_vocab_size={T}"),
-              "position_ids": (position_ids, P, f"sequence needs position {{}} but learned positions stop at "
-                               f"max_position_embeddings - 1 = {P and P - 1}; truncate (tokenizer(truncation=True))"),
-              "attention_mask": (attention_mask, 2, "attention_mask must hold 1 for tokens and 0 for padding, got {}")}
+    checks = {
+        "input_ids": (input_ids, V, "input_ids " + ids % f"vocab_size={V}"),
+        "token_type_ids": (token_type_ids, T, "token_type_ids " + ids % f"type_vocab_size={T}"),
+        "position_ids": (
+            position_ids,
+            P,
+            f"sequence needs position {{}} but learned positions stop at "
+            f"max_position_embeddings - 1 = {P and P - 1}; truncate (tokenizer(truncation=True))",
+        ),
+        "attention_mask": (attention_mask, 2, "attention_mask must hold 1 for tokens and 0 for padding, got {}"),
+    }
     for name, (t, high, message) in checks.items():
         if t is not None and tuple(t.shape) != shape and (name != "position_ids" or tuple(t.shape) != (1, shape[1])):
             raise ValueError(f"{name} has shape {tuple(t.shape)} but the input has shape {shape}")
@@ -179,8 +196,10 @@ class BertImplSelfAttention(nn.Module):
     def __init__(self, config: BertImplConfig):
         super().__init__()
         if config.hidden_size % config.num_attention_heads != 0:
-            raise ValueError(f"BertImplConfig.hidden_size ({config.hidden_size}) must be divisible by "
-                             f"num_attention_heads ({config.num_attention_heads}); pick a head count that divides it")
+            raise ValueError(
+                f"BertImplConfig.hidden_size ({config.hidden_size}) must be divisible by "
+                f"num_attention_heads ({config.num_attention_heads}); pick a head count that divides it"
+            )
         self.config = config
         self.num_heads, self.head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim**-0.5  # 1/√d_k
@@ -199,8 +218,16 @@ class BertImplSelfAttention(nn.Module):
         q, k, v = self.Wqkv(hidden_states).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
         impl = "eager" if kwargs.get("output_attentions") else self.config._attn_implementation
         attend = self.attention_function(impl)  # transformers' function for `impl`; eager: ours
-        out, probs = attend(self, q, k, v, attention_mask, scaling=self.scaling,  # q, k, v: (b, h, s, d)
-                            dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # out: (b, s, h, d)
+        out, probs = attend(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.scaling,  # q, k, v: (b, h, s, d)
+            dropout=self.attention_dropout if self.training else 0.0,
+            **kwargs,
+        )  # out: (b, s, h, d)
         return self.Wo(out.reshape(hidden_states.shape)), probs  # (b, s, H)
 
 
@@ -211,9 +238,13 @@ class BertImplLayer(GradientCheckpointingLayer):
         super().__init__()
         self.attn = BertImplSelfAttention(config)
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = nn.Sequential(OrderedDict(Wi=nn.Linear(config.hidden_size, config.intermediate_size),
-                                             act=ACT2FN[config.hidden_act],
-                                             Wo=nn.Linear(config.intermediate_size, config.hidden_size)))  # FFN
+        self.mlp = nn.Sequential(
+            OrderedDict(
+                Wi=nn.Linear(config.hidden_size, config.intermediate_size),
+                act=ACT2FN[config.hidden_act],
+                Wo=nn.Linear(config.intermediate_size, config.hidden_size),
+            )
+        )  # FFN
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -261,8 +292,10 @@ class BertImplPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["BertImplEmbeddings", "BertImplLayer"]
     _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": BertImplLayer,
-                           "attentions": OutputRecorder(BertImplSelfAttention, index=1)}
+    _can_record_outputs = {
+        "hidden_states": BertImplLayer,
+        "attentions": OutputRecorder(BertImplSelfAttention, index=1),
+    }
     accepts_loss_kwargs = False  # a loss that is a mean over examples: Trainer divides by the accumulation steps
 
     def __init__(self, config: BertImplConfig, *inputs, **kwargs):
@@ -304,8 +337,15 @@ class BertImplModel(BertImplPreTrainedModel):
         self.embeddings.word_embeddings = value
 
     @capture_outputs
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.BaseModelOutputWithPooling:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> modeling_outputs.BaseModelOutputWithPooling:
         """inputs (b, s), inputs_embeds (b, s, H) -> last_hidden_state (b, s, H) (zeros at padding), pooler_output
         (b, H); hidden states and attentions are recorded by transformers' hooks."""
         _check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
@@ -335,8 +375,9 @@ class _BertImplHead(BertImplPreTrainedModel):  # output flags travel in **kwargs
         self.classifier = nn.Linear(config.hidden_size, self._outputs or config.num_labels)
 
     def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs):
-        return self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs,
-                         return_dict=True)
+        return self.bert(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs, return_dict=True
+        )
 
 
 class _BertImplMLMHeadModel(_BertImplHead):
@@ -346,10 +387,14 @@ class _BertImplMLMHeadModel(_BertImplHead):
     accepts_loss_kwargs = True  # takes num_items_in_batch (see `masked_lm_loss`)
 
     def _build(self, config: BertImplConfig) -> None:
-        self.lm_head = nn.Sequential(OrderedDict(  # the MLM head of [2]: decoder(LN(act(dense x))), decoder tied
-            dense=nn.Linear(config.hidden_size, config.hidden_size), act=ACT2FN[config.hidden_act],
-            norm=nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps),
-            decoder=nn.Linear(config.hidden_size, config.vocab_size)))
+        self.lm_head = nn.Sequential(
+            OrderedDict(  # the MLM head of [2]: decoder(LN(act(dense x))), decoder tied
+                dense=nn.Linear(config.hidden_size, config.hidden_size),
+                act=ACT2FN[config.hidden_act],
+                norm=nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps),
+                decoder=nn.Linear(config.hidden_size, config.vocab_size),
+            )
+        )
         self.nsp_head = nn.Linear(config.hidden_size, 2) if self._pooled else None
 
     def get_output_embeddings(self):
@@ -363,8 +408,10 @@ class _BertImplMLMHeadModel(_BertImplHead):
         With `config.sparse_prediction` and labels, the head runs on the n labelled positions only (as ModernBERT's):
         logits (n, V), the same loss (unlabelled positions add nothing to it)."""
         if labels is not None and tuple(labels.shape) != tuple(sequence_output.shape[:-1]):
-            raise ValueError(f"labels have shape {tuple(labels.shape)} but the input has shape "
-                             f"{tuple(sequence_output.shape[:-1])}; pass one label per token (-100: none)")
+            raise ValueError(
+                f"labels have shape {tuple(labels.shape)} but the input has shape "
+                f"{tuple(sequence_output.shape[:-1])}; pass one label per token (-100: none)"
+            )
         if self.config.sparse_prediction and labels is not None:
             labels = labels.reshape(-1)  # (b*s,)
             labelled = labels.ne(IGNORE_INDEX)
@@ -380,9 +427,17 @@ class BertImplForMaskedLM(_BertImplMLMHeadModel):
     _pooled = False
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, num_items_in_batch=None,
-                **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.MaskedLMOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        num_items_in_batch=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> modeling_outputs.MaskedLMOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits, loss = self._mlm_logits_and_loss(out.last_hidden_state, labels, num_items_in_batch)  # (b, s, V)
         return modeling_outputs.MaskedLMOutput(loss, logits, out.hidden_states, out.attentions)
@@ -393,9 +448,18 @@ class BertImplForPreTraining(_BertImplMLMHeadModel):
     follows A); under accumulation each micro-batch's NSP mean is weighted by its share of the masked tokens."""
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, next_sentence_label=None, num_items_in_batch=None,
-                **kwargs: Unpack[TransformersKwargs]) -> BertImplForPreTrainingOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        next_sentence_label=None,
+        num_items_in_batch=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BertImplForPreTrainingOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         nsp_logits = self.nsp_head(out.pooler_output)  # (b, 2)
         both = labels is not None and next_sentence_label is not None
@@ -404,8 +468,13 @@ class BertImplForPreTraining(_BertImplMLMHeadModel):
             nsp = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
             scale = 1 if num_items_in_batch is None else labels.ne(IGNORE_INDEX).sum() / num_items_in_batch
             loss = loss + nsp * scale
-        return BertImplForPreTrainingOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=nsp_logits,
-                                            hidden_states=out.hidden_states, attentions=out.attentions)
+        return BertImplForPreTrainingOutput(
+            loss=loss,
+            prediction_logits=logits,
+            seq_relationship_logits=nsp_logits,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )
 
 
 class BertImplForNextSentencePrediction(_BertImplHead):
@@ -415,8 +484,16 @@ class BertImplForNextSentencePrediction(_BertImplHead):
         self.nsp_head = nn.Linear(config.hidden_size, 2)
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.NextSentencePredictorOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> modeling_outputs.NextSentencePredictorOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.nsp_head(out.pooler_output)  # (b, 2)
         loss = F.cross_entropy(logits, labels.view(-1)) if labels is not None else None
@@ -427,8 +504,16 @@ class BertImplForSequenceClassification(_BertImplHead):
     """Encoder + pooler + linear classifier; the loss follows `config.problem_type` as in transformers' BERT."""
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.SequenceClassifierOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> modeling_outputs.SequenceClassifierOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits, loss = self.classifier(self.dropout(out.pooler_output)), None  # (b, num_labels)
         if labels is not None:  # regression and multi-label targets in the logits' dtype (int scores, bf16)
@@ -445,8 +530,16 @@ class BertImplForTokenClassification(_BertImplHead):
     _pooled = False
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.TokenClassifierOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> modeling_outputs.TokenClassifierOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (b, s, num_labels)
         loss = self.loss_function(logits, labels, self.config) if labels is not None else None
@@ -462,9 +555,17 @@ class BertImplForQuestionAnswering(_BertImplHead):
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                start_positions=None, end_positions=None,
-                **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.QuestionAnsweringModelOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        start_positions=None,
+        end_positions=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> modeling_outputs.QuestionAnsweringModelOutput:
         out = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.qa_outputs(out.last_hidden_state)  # (b, s, 2)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))  # 2 x (b, s)
@@ -480,8 +581,16 @@ class BertImplForMultipleChoice(_BertImplHead):
     _outputs = 1
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs: Unpack[TransformersKwargs]) -> modeling_outputs.MultipleChoiceModelOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> modeling_outputs.MultipleChoiceModelOutput:
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         out = self._encode(*(t.flatten(0, 1) if t is not None else None for t in inputs), kwargs)  # (b*c, s[, H])
         choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]

@@ -92,8 +92,14 @@ def staged(save_directory: str | os.PathLike) -> Iterator[str]:
                 except OSError:
                     break
             raise
-        moves = sorted((os.path.relpath(os.path.join(root, name), staging) for root, _, files in os.walk(staging)
-                        for name in files), key=_order)
+        moves = sorted(
+            (
+                os.path.relpath(os.path.join(root, name), staging)
+                for root, _, files in os.walk(staging)
+                for name in files
+            ),
+            key=_order,
+        )
         weights = [rel for rel in moves if _order(rel)[0] == 0]
         for rel in weights:
             _move(staging, folder, rel)
@@ -101,7 +107,7 @@ def staged(save_directory: str | os.PathLike) -> Iterator[str]:
             for name in sorted(os.listdir(folder)):
                 if WEIGHTS_FILE.fullmatch(name) and name not in weights:
                     os.remove(os.path.join(folder, name))
-        for rel in moves[len(weights):]:
+        for rel in moves[len(weights) :]:
             _move(staging, folder, rel)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .modeling_bert_impl import BertImplModel, BertImplPreTrainedModel
 
+
 POOLING_MODES = ("mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 
 
@@ -46,7 +47,9 @@ def save_as_sentence_transformer(
         raise ValueError(f"save_as_sentence_transformer takes a bert_impl model, got {type(model).__name__}")
     if pooling not in POOLING_MODES:
         raise ValueError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
-    if max_seq_length is not None and (isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length <= 0):
+    if max_seq_length is not None and (
+        isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length <= 0
+    ):
         raise ValueError(f"max_seq_length must be a positive integer, got {max_seq_length!r}")
     encoder = model if isinstance(model, BertImplModel) else model.base_model
     if max_seq_length is None:

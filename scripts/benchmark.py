@@ -106,17 +106,30 @@ WORKLOADS = ("fixed", "mixed", "mlm", "mlm_dense")
 # Targets (bert-base, seq 128, batch 8, fp32, CPU): ours / transformers sdpa.
 # mlm: ours kernelized with sparse_prediction=True (as scripts/pretrain_mlm.py trains); mlm_dense: with
 # sparse_prediction=False (full (b, s, V) logits, as transformers).
-TARGETS = {"fixed": ("tokens/s", 1.05), "mixed": ("real tokens/s", 1.6), "mlm": ("tokens/s", 1.3),
-           "mlm_dense": ("tokens/s", 1.0), "mlm_memory": ("peak memory", 1.0)}
+TARGETS = {
+    "fixed": ("tokens/s", 1.05),
+    "mixed": ("real tokens/s", 1.6),
+    "mlm": ("tokens/s", 1.3),
+    "mlm_dense": ("tokens/s", 1.0),
+    "mlm_memory": ("peak memory", 1.0),
+}
 # bf16 targets (bf16 weights and autocast): fixed >= 1.3x with MFU >= 60% of the bf16 matmul peak,
 # mixed >= 2.5x, MLM >= 1.5x.
-TARGETS_BF16 = {"fixed": ("tokens/s", 1.3), "mixed": ("real tokens/s", 2.5), "mlm": ("tokens/s", 1.5),
-                "mlm_dense": ("tokens/s", 1.0)}
+TARGETS_BF16 = {
+    "fixed": ("tokens/s", 1.3),
+    "mixed": ("real tokens/s", 2.5),
+    "mlm": ("tokens/s", 1.5),
+    "mlm_dense": ("tokens/s", 1.0),
+}
 # --against: the runtimes a user would serve transformers' BERT with on a CPU (run_anchors).
 ANCHORS = ("onnxruntime", "openvino", "compile")
 # GPU targets (bf16 on an H200): fixed >= 1.1x, mixed >= 2x, MLM >= 1.3x vs transformers' sdpa.
-TARGETS_CUDA = {"fixed": ("tokens/s", 1.1), "mixed": ("real tokens/s", 2.0), "mlm": ("tokens/s", 1.3),
-                "mlm_dense": ("tokens/s", 1.0)}
+TARGETS_CUDA = {
+    "fixed": ("tokens/s", 1.1),
+    "mixed": ("real tokens/s", 2.0),
+    "mlm": ("tokens/s", 1.3),
+    "mlm_dense": ("tokens/s", 1.0),
+}
 
 
 @dataclass
@@ -124,51 +137,68 @@ class BenchmarkArguments:
     size: str = field(default="tiny", metadata={"help": "tiny (quick check) or base (bert-base, the published table)"})
     seq_len: int = field(default=128, metadata={"help": "sequence length L (mixed: lengths uniform in [L/8, L])"})
     batch_size: int = field(default=8)
-    dtype: str = field(default="fp32",
-                       metadata={"help": "fp32, bf16 (bf16 weights) or autocast (float32 weights, bf16 autocast)"})
+    dtype: str = field(
+        default="fp32", metadata={"help": "fp32, bf16 (bf16 weights) or autocast (float32 weights, bf16 autocast)"}
+    )
     autocast_scope: str = field(
         default="forward",
-        metadata={"help": "--dtype autocast: forward (a fresh autocast context per forward, as Trainer) or run (one "
-                          "context around all of an inference workload's calls, as a serving loop; autocast then "
-                          "casts each weight once)"},
+        metadata={
+            "help": "--dtype autocast: forward (a fresh autocast context per forward, as Trainer) or run (one "
+            "context around all of an inference workload's calls, as a serving loop; autocast then "
+            "casts each weight once)"
+        },
     )
     device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu or cuda"})
-    backends: str = field(default="sdpa",
-                          metadata={"help": "comma-separated attention backends, e.g. sdpa,flash_attention_2"})
+    backends: str = field(
+        default="sdpa", metadata={"help": "comma-separated attention backends, e.g. sdpa,flash_attention_2"}
+    )
     workloads: str = field(
         default="fixed,mixed,mlm,mlm_dense",
-        metadata={"help": "comma-separated subset of fixed,mixed,mlm (ours with sparse_prediction), mlm_dense "
-                          "(full logits)"},
+        metadata={
+            "help": "comma-separated subset of fixed,mixed,mlm (ours with sparse_prediction), mlm_dense (full logits)"
+        },
     )
     against: str = field(
         default="transformers",
-        metadata={"help": "transformers (in torch), or the CPU runtimes to time beside it in one run, "
-                          "comma-separated: onnxruntime (transformers' BERT and ours exported to ONNX), openvino "
-                          "(transformers' BERT converted; f32 hint and OpenVINO's default precision), compile "
-                          "(torch.compile of transformers' and ours); fixed, mixed; --dtype fp32 or bf16 (then "
-                          "transformers, ours and their compiled forms run bf16 weights; onnxruntime float32 only)"},
+        metadata={
+            "help": "transformers (in torch), or the CPU runtimes to time beside it in one run, "
+            "comma-separated: onnxruntime (transformers' BERT and ours exported to ONNX), openvino "
+            "(transformers' BERT converted; f32 hint and OpenVINO's default precision), compile "
+            "(torch.compile of transformers' and ours); fixed, mixed; --dtype fp32 or bf16 (then "
+            "transformers, ours and their compiled forms run bf16 weights; onnxruntime float32 only)"
+        },
     )
-    pairs: int = field(default=0,
-                       metadata={"help": "timed (transformers, ours) pairs per workload; 0 = 20 for tiny, 7 for base"})
+    pairs: int = field(
+        default=0, metadata={"help": "timed (transformers, ours) pairs per workload; 0 = 20 for tiny, 7 for base"}
+    )
     warmup: int = field(default=2, metadata={"help": "untimed pairs before timing"})
     mlm_probability: float = field(default=0.15)
     seed: int = field(default=0)
     threads: int = field(default=0, metadata={"help": "torch.set_num_threads; 0 leaves torch's default"})
     memory: bool = field(default=True, metadata={"help": "measure peak memory (one extra profiled run per model)"})
-    peak_n: int = field(default=0, metadata={"help": "n of the n x n x n matmul whose speed is the MFU peak; 0 = 8192 "
-                                                    "on a GPU, 1536 on a CPU (smaller: a quick run on a CPU without "
-                                                    "bf16 units)"})
+    peak_n: int = field(
+        default=0,
+        metadata={
+            "help": "n of the n x n x n matmul whose speed is the MFU peak; 0 = 8192 "
+            "on a GPU, 1536 on a CPU (smaller: a quick run on a CPU without "
+            "bf16 units)"
+        },
+    )
     kernels: str = field(
         default="auto",
-        metadata={"help": "hf_bert_impl.kernelize(ours, kernels): auto (the kernels of its static table for the "
-                          "device, mode and dtype), reference (the plain model alone, not kernelized) or kernel names "
-                          "to force, comma-separated: " + ", ".join(KERNELS)},
+        metadata={
+            "help": "hf_bert_impl.kernelize(ours, kernels): auto (the kernels of its static table for the "
+            "device, mode and dtype), reference (the plain model alone, not kernelized) or kernel names "
+            "to force, comma-separated: " + ", ".join(KERNELS)
+        },
     )
     optim: str = field(
         default="adamw_torch_fused",
-        metadata={"help": "the MLM steps' optimizer, a TrainingArguments --optim name, built as Trainer builds it "
-                          "(default: Trainer's default, adamw_torch_fused; adamw_torch = the per-parameter AdamW runs "
-                          "before 0.3.6 timed)"},
+        metadata={
+            "help": "the MLM steps' optimizer, a TrainingArguments --optim name, built as Trainer builds it "
+            "(default: Trainer's default, adamw_torch_fused; adamw_torch = the per-parameter AdamW runs "
+            "before 0.3.6 timed)"
+        },
     )
     json: str | None = field(default=None, metadata={"help": "also write every number to this JSON file"})
 
@@ -203,30 +233,39 @@ def check_args(args: BenchmarkArguments) -> None:
     if args.seq_len < 8 or args.seq_len > 512:
         fail(f"--seq_len must be in [8, 512] (BERT's learned positions stop at 512), got {args.seq_len}")
     if args.batch_size < 1 or args.pairs < 0 or args.warmup < 0:
-        fail(f"--batch_size must be >= 1 and --pairs / --warmup >= 0, got {args.batch_size}, {args.pairs}, "
-             f"{args.warmup}")
+        fail(
+            f"--batch_size must be >= 1 and --pairs / --warmup >= 0, got {args.batch_size}, {args.pairs}, "
+            f"{args.warmup}"
+        )
     if not 0.0 < args.mlm_probability < 1.0:
         fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     try:
         kernel_names(args.kernels)
     except ValueError:
-        fail(f"--kernels must be auto, reference or kernel names from {', '.join(KERNELS)} (comma-separated), "
-             f"got {args.kernels!r}")
+        fail(
+            f"--kernels must be auto, reference or kernel names from {', '.join(KERNELS)} (comma-separated), "
+            f"got {args.kernels!r}"
+        )
     if args.autocast_scope not in ("forward", "run"):
         fail(f"--autocast_scope must be forward or run, got {args.autocast_scope!r}")
     if args.autocast_scope == "run" and args.dtype != "autocast":
         fail(f"--autocast_scope run needs --dtype autocast, got --dtype {args.dtype}")
     anchors = args.against.split(",")
     if args.against != "transformers" and any(a not in ANCHORS for a in anchors):  # "" (an empty name) too
-        fail(f"--against must be transformers or a comma-separated subset of {','.join(ANCHORS)}, "
-             f"got {args.against!r}")
+        fail(
+            f"--against must be transformers or a comma-separated subset of {','.join(ANCHORS)}, got {args.against!r}"
+        )
     if args.against != "transformers":
         if args.dtype == "autocast" or args.device == "cuda":
-            fail(f"--against {args.against} runs on the CPU with fp32 or bf16 weights, got --dtype {args.dtype} "
-                 f"--device {args.device}")
+            fail(
+                f"--against {args.against} runs on the CPU with fp32 or bf16 weights, got --dtype {args.dtype} "
+                f"--device {args.device}"
+            )
         if args.dtype == "bf16" and "onnxruntime" in anchors:
-            fail("--against onnxruntime runs float32 only (its CPU provider has no bfloat16 kernels for BERT's "
-                 "ops), got --dtype bf16: leave onnxruntime out")
+            fail(
+                "--against onnxruntime runs float32 only (its CPU provider has no bfloat16 kernels for BERT's "
+                "ops), got --dtype bf16: leave onnxruntime out"
+            )
         if any(w not in ("fixed", "mixed") for w in args.workloads.split(",")):
             args.workloads = ",".join(w for w in args.workloads.split(",") if w in ("fixed", "mixed")) or "fixed,mixed"
     try:
@@ -290,7 +329,10 @@ def build_models(args, backend: str, device, dtype):
     it (sparse prediction: the mlm workload's)."""
     sizes = SIZE_PRESETS[args.size]
     hf_config = BertConfig(
-        vocab_size=30522, max_position_embeddings=512, attn_implementation=backend, **sizes,
+        vocab_size=30522,
+        max_position_embeddings=512,
+        attn_implementation=backend,
+        **sizes,
     )
     torch.manual_seed(args.seed)
     hf = BertForMaskedLM(hf_config)
@@ -307,9 +349,33 @@ def corpus_ids(tokenizer, needed: int, seed: int) -> tuple[list[int], str]:
     import pydoc
 
     ids: list[int] = []
-    for name in ("os", "re", "json", "collections", "functools", "itertools", "argparse", "logging", "typing",
-                 "pathlib", "subprocess", "threading", "unittest", "dataclasses", "inspect", "asyncio", "email",
-                 "http.client", "sqlite3", "decimal", "statistics", "random", "string", "textwrap", "shutil"):
+    for name in (
+        "os",
+        "re",
+        "json",
+        "collections",
+        "functools",
+        "itertools",
+        "argparse",
+        "logging",
+        "typing",
+        "pathlib",
+        "subprocess",
+        "threading",
+        "unittest",
+        "dataclasses",
+        "inspect",
+        "asyncio",
+        "email",
+        "http.client",
+        "sqlite3",
+        "decimal",
+        "statistics",
+        "random",
+        "string",
+        "textwrap",
+        "shutil",
+    ):
         try:
             module = __import__(name, fromlist=["_"])
         except ImportError:
@@ -365,8 +431,10 @@ def make_batches(args, tokenizer, device):
         mixed = {k: v for k, v in mixed.items() if k in ("input_ids", "attention_mask")}
     else:
         s = max(lengths)
-        mixed = {"input_ids": torch.tensor([r + [pad_id] * (s - len(r)) for r in rows]),
-                 "attention_mask": torch.tensor([[1] * len(r) + [0] * (s - len(r)) for r in rows])}
+        mixed = {
+            "input_ids": torch.tensor([r + [pad_id] * (s - len(r)) for r in rows]),
+            "attention_mask": torch.tensor([[1] * len(r) + [0] * (s - len(r)) for r in rows]),
+        }
     if tokenizer is not None:
         collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=args.mlm_probability, seed=args.seed)
         mlm = collator([{"input_ids": r} for r in blocks])
@@ -424,6 +492,7 @@ def check_outputs(args, hf, ours, batches, backend) -> dict:
         hf_grads, _ = convert_hf_state_dict(
             {k: p.grad for k, p in hf.named_parameters()}, hf.config.num_hidden_layers, tied=True
         )
+
         def worst_grad_diff():
             return max((p.grad - hf_grads[key]).abs().max().item() for key, p in ours.named_parameters())
 
@@ -441,8 +510,11 @@ def check_outputs(args, hf, ours, batches, backend) -> dict:
         if bad:
             fail(f"[{backend}] outputs differ from transformers by more than 1e-5 (fp32): {bad}")
     else:
-        bad = {n: (report[f"{n}_ours_bf16_err"], report[f"{n}_hf_bf16_err"]) for n in ("fixed", "mixed")
-               if not report[f"{n}_ours_bf16_err"] <= 3 * report[f"{n}_hf_bf16_err"] + 1e-6}
+        bad = {
+            n: (report[f"{n}_ours_bf16_err"], report[f"{n}_hf_bf16_err"])
+            for n in ("fixed", "mixed")
+            if not report[f"{n}_ours_bf16_err"] <= 3 * report[f"{n}_hf_bf16_err"] + 1e-6
+        }
         if bad:
             fail(f"[{backend}] bf16 error above 3x transformers' own (ours, transformers): {bad}")
         report["mlm_loss_abs_diff"] = abs(out_a.loss.item() - out_b.loss.item())
@@ -464,9 +536,11 @@ def step_fn(model, workload, batch, optimizer, context=nullcontext):
     """One call of the workload: inference without grad, or forward + backward + optimizer step; each forward
     inside a fresh `context()` (bf16 autocast for --dtype autocast)."""
     if workload in ("fixed", "mixed"):
+
         def run():
             with torch.no_grad(), context():
                 model.bert(**batch)
+
         return run
 
     def train():
@@ -475,6 +549,7 @@ def step_fn(model, workload, batch, optimizer, context=nullcontext):
             loss = model(**batch).loss
         loss.backward()
         optimizer.step()
+
     return train
 
 
@@ -502,13 +577,22 @@ def timing_row(times: dict, baseline: str, pairs: int, mask, flops: float, peak:
     """One workload's JSON row: ours against `baseline` per round, and for each timed function its median
     latency, tokens/s (padded and real), MFU against `peak` and the raw times."""
     padded_tokens, real_tokens = mask.numel(), int(mask.sum())
-    row = {"pairs": pairs, "real_token_fraction": real_tokens / padded_tokens, "model_flops": flops,
-           "load_average_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
-           **ratios(times[baseline], times["ours"])}
+    row = {
+        "pairs": pairs,
+        "real_token_fraction": real_tokens / padded_tokens,
+        "model_flops": flops,
+        "load_average_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        **ratios(times[baseline], times["ours"]),
+    }
     for tag, ts in times.items():
         t = statistics.median(ts)
-        row[tag] = {"latency_ms": 1e3 * t, "tokens_per_s_padded": padded_tokens / t,
-                    "tokens_per_s_real": real_tokens / t, "mfu": flops / t / peak, "times_s": ts}
+        row[tag] = {
+            "latency_ms": 1e3 * t,
+            "tokens_per_s_padded": padded_tokens / t,
+            "tokens_per_s_real": real_tokens / t,
+            "mfu": flops / t / peak,
+            "times_s": ts,
+        }
     return row
 
 
@@ -705,9 +789,16 @@ def onnx_sessions(hf, ours, threads: int, workdir: str) -> dict:
     example = exporter.sample_inputs(ours.bert, batch=3, seq=7)
     with torch.no_grad():
         torch.onnx.export(
-            hf_model, (), hf_path, kwargs=example, dynamic_shapes=exporter.dynamic_shapes(ours.bert),
-            input_names=list(exporter.INPUT_NAMES), output_names=["last_hidden_state"], opset_version=18,
-            dynamo=True, verbose=False,
+            hf_model,
+            (),
+            hf_path,
+            kwargs=example,
+            dynamic_shapes=exporter.dynamic_shapes(ours.bert),
+            input_names=list(exporter.INPUT_NAMES),
+            output_names=["last_hidden_state"],
+            opset_version=18,
+            dynamo=True,
+            verbose=False,
         )
     plain = hf_bert_impl.kernelize(copy.deepcopy(ours.bert), "reference").eval()  # the plain model: what ONNX gets
     exporter.export_onnx(plain, ours_path)
@@ -716,8 +807,10 @@ def onnx_sessions(hf, ours, threads: int, workdir: str) -> dict:
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return {name: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-            for name, path in (("onnxruntime_transformers", hf_path), ("onnxruntime_ours", ours_path))}
+    return {
+        name: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        for name, path in (("onnxruntime_transformers", hf_path), ("onnxruntime_ours", ours_path))
+    }
 
 
 class _Session:
@@ -764,17 +857,22 @@ def compiled_runners(hf, ours, precision: str = "f32") -> dict:
     """torch.compile (inductor, its defaults) of transformers' BertModel and of ours as this run puts it on (weights
     in `precision`), both called with dynamo capturing data-dependent sizes (`capture_dynamic_output_shape_ops`).
     Under compilation ours' speed layer steps aside: the plain model compiles, as transformers' does."""
+
     def run(fn, batch):
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
             return fn(**batch).last_hidden_state
 
-    return {name: (functools.partial(run, torch.compile(module)), precision)
-            for name, module in (("transformers_compile", hf.bert), ("ours_compile", ours.bert))}
+    return {
+        name: (functools.partial(run, torch.compile(module)), precision)
+        for name, module in (("transformers_compile", hf.bert), ("ours_compile", ours.bert))
+    }
 
 
 def anchor_versions(anchors) -> dict:
-    return {"torch": torch.__version__, **{m: __import__(m).__version__ for m in ("onnxruntime", "openvino")
-                                           if m in anchors}}
+    return {
+        "torch": torch.__version__,
+        **{m: __import__(m).__version__ for m in ("onnxruntime", "openvino") if m in anchors},
+    }
 
 
 def run_anchors(args, device, tokenizer, peaks):
@@ -799,8 +897,10 @@ def run_anchors(args, device, tokenizer, peaks):
         b.setdefault("token_type_ids", torch.zeros_like(b["input_ids"]))
     threads = torch.get_num_threads()
     inputs = ("input_ids", "attention_mask", "token_type_ids")
-    runners = {"transformers": (lambda batch: hf_run.bert(**batch).last_hidden_state, weights),
-               "ours": (lambda batch: ours_run.bert(**batch).last_hidden_state, weights)}
+    runners = {
+        "transformers": (lambda batch: hf_run.bert(**batch).last_hidden_state, weights),
+        "ours": (lambda batch: ours_run.bert(**batch).last_hidden_state, weights),
+    }
     with tempfile.TemporaryDirectory() as workdir:
         if "onnxruntime" in anchors:
             runners.update({k: (_Session(v), "f32") for k, v in onnx_sessions(hf, ours, threads, workdir).items()})
@@ -824,14 +924,20 @@ def run_anchors(args, device, tokenizer, peaks):
                         own = hf.bert(**x).last_hidden_state.float()
                     bf16_error = max(bf16_error or 0.0, (own - ref)[real].abs().max().item())
         tolerance = {tag: 1e-4 if precision == "f32" else 3 * bf16_error for tag, (_, precision) in runners.items()}
-        print("[anchors] outputs against float32 transformers (max |diff| on real tokens): "
-              + ", ".join(f"{w}_{tag}={v:.2e}" for w, row in errors.items() for tag, v in row.items()))
-        print("[anchors] outputs against float32 transformers (mean |diff| on real tokens): "
-              + ", ".join(f"{w}_{tag}={v:.2e}" for w, row in mean_errors.items() for tag, v in row.items()))
+        print(
+            "[anchors] outputs against float32 transformers (max |diff| on real tokens): "
+            + ", ".join(f"{w}_{tag}={v:.2e}" for w, row in errors.items() for tag, v in row.items())
+        )
+        print(
+            "[anchors] outputs against float32 transformers (mean |diff| on real tokens): "
+            + ", ".join(f"{w}_{tag}={v:.2e}" for w, row in mean_errors.items() for tag, v in row.items())
+        )
         bad = {f"{w}_{tag}": v for w, row in errors.items() for tag, v in row.items() if not v <= tolerance[tag]}
         if bad:
-            fail(f"outputs differ from float32 transformers by more than their precision's tolerance: {bad} "
-                 f"(tolerances {tolerance})")
+            fail(
+                f"outputs differ from float32 transformers by more than their precision's tolerance: {bad} "
+                f"(tolerances {tolerance})"
+            )
         pairs = args.pairs or (20 if args.size == "tiny" else 7)
         results = {}
         for workload in args.workloads.split(","):
@@ -855,14 +961,25 @@ def run_anchors(args, device, tokenizer, peaks):
             for tag in times:
                 r = row[tag]
                 versus = f"  ours / it {row[f'ours_vs_{tag}_median']:.3f}x" if tag != "ours" else ""
-                print(f"  {workload:6s} {tag:25s} {r['precision']:5s} {r['latency_ms']:9.1f} ms "
-                      f"{r['tokens_per_s_real']:10.0f} real tok/s{versus}")
+                print(
+                    f"  {workload:6s} {tag:25s} {r['precision']:5s} {r['latency_ms']:9.1f} ms "
+                    f"{r['tokens_per_s_real']:10.0f} real tok/s{versus}"
+                )
             print(f"  {workload:6s} ours' kernels: {describe_kernels(row['ours_kernels'])}")
             peaks.sample()
     own_error = "bf16_error_transformers" if weights == "bf16" else "bf16_autocast_error_transformers"
-    return {"anchors": anchors, "versions": anchor_versions(anchors), "weights": weights, "errors": errors,
-            "mean_errors": mean_errors, "tolerances": tolerance, own_error: bf16_error,
-            "workloads": results, "mixed_lengths": lengths, "text": source}
+    return {
+        "anchors": anchors,
+        "versions": anchor_versions(anchors),
+        "weights": weights,
+        "errors": errors,
+        "mean_errors": mean_errors,
+        "tolerances": tolerance,
+        own_error: bf16_error,
+        "workloads": results,
+        "mixed_lengths": lengths,
+        "text": source,
+    }
 
 
 def markdown_table_anchors(result) -> str:
@@ -874,14 +991,22 @@ def markdown_table_anchors(result) -> str:
     workloads = list(res["workloads"])
     first = res["workloads"][workloads[0]]
     head = "| runner | precision | " + " | ".join(f"{w} tok/s (real) | ours / it, {w}" for w in workloads)
-    lines = [head + " | max \\|Δ\\| vs fp32 transformers | mean \\|Δ\\| |",
-             "|---|---|" + "---|---|" * len(workloads) + "---|---|"]
+    lines = [
+        head + " | max \\|Δ\\| vs fp32 transformers | mean \\|Δ\\| |",
+        "|---|---|" + "---|---|" * len(workloads) + "---|---|",
+    ]
     for tag in [t for t in first if isinstance(first[t], dict) and "latency_ms" in first[t]]:
         cells = []
         for w in workloads:
             row = res["workloads"][w]
-            ratio = "-" if tag == "ours" else (f"**{row[f'ours_vs_{tag}_median']:.2f}x** "
-                                               f"[{row[f'ours_vs_{tag}_min']:.2f}-{row[f'ours_vs_{tag}_max']:.2f}]")
+            ratio = (
+                "-"
+                if tag == "ours"
+                else (
+                    f"**{row[f'ours_vs_{tag}_median']:.2f}x** "
+                    f"[{row[f'ours_vs_{tag}_min']:.2f}-{row[f'ours_vs_{tag}_max']:.2f}]"
+                )
+            )
             cells.append(f"{row[tag]['tokens_per_s_real']:.0f} | {ratio}")
         error = max(res["workloads"][w][tag]["max_abs_diff_vs_transformers_fp32"] for w in workloads)
         mean = max(res["workloads"][w][tag]["mean_abs_diff_vs_transformers_fp32"] for w in workloads)
@@ -895,14 +1020,18 @@ def print_row(backend, workload, row):
         mem = f"{r['peak_memory_mb']:8.1f}" if "peak_memory_mb" in r else "       -"
         act = r.get("activation_memory_mb")
         act = f" (activations {act:.1f} MB)" if act is not None else ""
-        print(f"  {workload:6s} {tag:13s} {r['latency_ms']:9.1f} ms {r['tokens_per_s_padded']:10.0f} tok/s "
-              f"{r['tokens_per_s_real']:10.0f} real tok/s  peak {mem} MB  MFU {100 * r['mfu']:5.1f}%{act}")
+        print(
+            f"  {workload:6s} {tag:13s} {r['latency_ms']:9.1f} ms {r['tokens_per_s_padded']:10.0f} tok/s "
+            f"{r['tokens_per_s_real']:10.0f} real tok/s  peak {mem} MB  MFU {100 * r['mfu']:5.1f}%{act}"
+        )
     mem = f", memory {row['memory_ratio']:.3f}x" if "memory_ratio" in row else ""
     if "ours_kernels" in row:
         print(f"  {workload:6s} ours' kernels: {describe_kernels(row['ours_kernels'])}")
-    print(f"  {workload:6s} ours/transformers: {row['ratio_median']:.3f}x tokens/s (median of {row['pairs']} pairs, "
-          f"range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}){mem}; real-token fraction "
-          f"{row['real_token_fraction']:.3f}")
+    print(
+        f"  {workload:6s} ours/transformers: {row['ratio_median']:.3f}x tokens/s (median of {row['pairs']} pairs, "
+        f"range {row['ratio_min']:.3f}-{row['ratio_max']:.3f}){mem}; real-token fraction "
+        f"{row['real_token_fraction']:.3f}"
+    )
 
 
 def markdown_table(result) -> str:
@@ -912,10 +1041,12 @@ def markdown_table(result) -> str:
         targets = TARGETS_CUDA
     else:
         targets = TARGETS_BF16 if result["args"]["dtype"] in ("bf16", "autocast") else TARGETS
-    lines = ["| backend | workload | transformers ms | ours ms | transformers tok/s (real) | ours tok/s (real) "
-             "| ratio (median) | target | peak MB transformers / ours (ratio) | ours activations MB "
-             "| MFU transformers / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| backend | workload | transformers ms | ours ms | transformers tok/s (real) | ours tok/s (real) "
+        "| ratio (median) | target | peak MB transformers / ours (ratio) | ours activations MB "
+        "| MFU transformers / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for backend, res in result["backends"].items():
         for w, row in res["workloads"].items():
             a, b = row["transformers"], row["ours"]
@@ -939,8 +1070,11 @@ def main(argv=None):
     check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     dtype = DTYPES[args.dtype]
     info = machine_record(device)
     print(f"machine: {info}")
@@ -948,8 +1082,7 @@ def main(argv=None):
     peaks = PeakSampler(device, gemm_dtype(args), args.peak_n or None)
     peaks.sample()
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = {"args": asdict(args), "command": command,
-              "machine": info, "device_type": device.type, "backends": {}}
+    result = {"args": asdict(args), "command": command, "machine": info, "device_type": device.type, "backends": {}}
     if args.against != "transformers":
         result["backends"]["anchors"] = run_anchors(args, device, tokenizer, peaks)
     for backend in args.backends.split(",") if args.against == "transformers" else ():
@@ -962,15 +1095,20 @@ def main(argv=None):
         for row in res["workloads"].values():
             for tag in [t for t in row if isinstance(row[t], dict) and "latency_ms" in row[t]]:
                 row[tag]["mfu"] = row["model_flops"] / (row[tag]["latency_ms"] / 1e3) / peaks.best
-    result["matmul_peak_flops"] = {"best": peaks.best, "best_per_kernel": peaks.best_per_kernel(),
-                                   "samples": peaks.samples}
+    result["matmul_peak_flops"] = {
+        "best": peaks.best,
+        "best_per_kernel": peaks.best_per_kernel(),
+        "samples": peaks.samples,
+    }
     try:
         result["machine"]["load_average_at_end"] = os.getloadavg()
     except OSError:
         pass
     per_kernel = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.best_per_kernel().items())
-    print(f"matmul peak ({args.dtype}, best of {len(peaks.samples)} samples): {peaks.best / 1e9:.1f} GFLOP/s "
-          f"({per_kernel})")
+    print(
+        f"matmul peak ({args.dtype}, best of {len(peaks.samples)} samples): {peaks.best / 1e9:.1f} GFLOP/s "
+        f"({per_kernel})"
+    )
     table = markdown_table(result)
     print(table)
     result["markdown_table"] = table

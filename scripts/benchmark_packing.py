@@ -64,20 +64,26 @@ LOSS_TOLERANCE = 1e-5
 
 @dataclass
 class PackingArguments:
-    model_size: str = field(default="tiny",
-                            metadata={"help": f"BertImplConfig size preset: {', '.join(SIZE_PRESETS)}"})
+    model_size: str = field(
+        default="tiny", metadata={"help": f"BertImplConfig size preset: {', '.join(SIZE_PRESETS)}"}
+    )
     batch_size: int = field(default=32)
     num_batches: int = field(default=10, metadata={"help": "rows = batch_size x num_batches"})
     max_seq_length: int = field(default=256, metadata={"help": "truncate rows to this many tokens (8 to 512)"})
     passes: int = field(default=3, metadata={"help": "timed passes over all batches"})
     warmup: int = field(default=2, metadata={"help": "untimed (padded, packed) batch pairs before timing"})
-    kernels: str = field(default="auto", metadata={"help": "hf_bert_impl.kernelize(model, kernels): auto (the "
-                                                           "table's kernels), reference (the plain model: padded "
-                                                           "batches run on the whole grid, packed rows on a "
-                                                           "block-diagonal mask) or kernel names, comma-separated: "
-                                                           + ", ".join(KERNELS)})
-    tokenizer_name: str | None = field(default=None, metadata={"help": "a saved tokenizer (default: one trained "
-                                                                        "on the corpus)"})
+    kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "hf_bert_impl.kernelize(model, kernels): auto (the "
+            "table's kernels), reference (the plain model: padded "
+            "batches run on the whole grid, packed rows on a "
+            "block-diagonal mask) or kernel names, comma-separated: " + ", ".join(KERNELS)
+        },
+    )
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "a saved tokenizer (default: one trained on the corpus)"}
+    )
     optimizer_step: bool = field(default=False, metadata={"help": "also time an AdamW step per batch"})
     threads: int = field(default=0, metadata={"help": "torch.set_num_threads; 0 leaves torch's default"})
     seed: int = field(default=0, metadata={"help": "row sampling and model initialisation"})
@@ -93,8 +99,10 @@ def check_args(args: PackingArguments) -> None:
     if args.model_size not in SIZE_PRESETS:
         fail(f"--model_size must be one of {list(SIZE_PRESETS)}, got {args.model_size!r}")
     if args.batch_size < 1 or args.num_batches < 1 or args.passes < 1:
-        fail(f"--batch_size, --num_batches and --passes must be >= 1, "
-             f"got {args.batch_size}, {args.num_batches}, {args.passes}")
+        fail(
+            f"--batch_size, --num_batches and --passes must be >= 1, "
+            f"got {args.batch_size}, {args.num_batches}, {args.passes}"
+        )
     if args.warmup < 0 or args.threads < 0:
         fail(f"--warmup and --threads must be >= 0, got {args.warmup}, {args.threads}")
     if not 8 <= args.max_seq_length <= 512:
@@ -102,8 +110,10 @@ def check_args(args: PackingArguments) -> None:
     try:
         kernel_names(args.kernels)
     except ValueError:
-        fail(f"--kernels must be auto, reference or kernel names from {', '.join(KERNELS)} (comma-separated), "
-             f"got {args.kernels!r}")
+        fail(
+            f"--kernels must be auto, reference or kernel names from {', '.join(KERNELS)} (comma-separated), "
+            f"got {args.kernels!r}"
+        )
 
 
 def tag(word: str) -> int:
@@ -120,14 +130,16 @@ def make_rows(n: int, seed: int) -> list[list[str]]:
         sentences = rng.choice(paragraphs)
         k = min(rng.randint(1, 8), len(sentences))
         start = rng.randint(0, len(sentences) - k)
-        rows.append(" ".join(sentences[start:start + k]).split())
+        rows.append(" ".join(sentences[start : start + k]).split())
     return rows
 
 
 def encode(rows, tokenizer, max_length: int) -> list[dict]:
     enc = tokenizer(rows, is_split_into_words=True, truncation=True, max_length=max_length)
-    return [{"input_ids": enc["input_ids"][i],
-             "labels": D.align_word_labels(enc.word_ids(i), [tag(w) for w in words])} for i, words in enumerate(rows)]
+    return [
+        {"input_ids": enc["input_ids"][i], "labels": D.align_word_labels(enc.word_ids(i), [tag(w) for w in words])}
+        for i, words in enumerate(rows)
+    ]
 
 
 def step(model, batch, optimizer) -> float:
@@ -158,7 +170,7 @@ def main(argv=None):
         tokenizer = D.train_wordpiece_tokenizer(D.default_corpus_dataset()["train"]["text"])
     rows = make_rows(args.batch_size * args.num_batches, args.seed)
     examples = encode(rows, tokenizer, args.max_seq_length)
-    chunks = [examples[i:i + args.batch_size] for i in range(0, len(examples), args.batch_size)]
+    chunks = [examples[i : i + args.batch_size] for i in range(0, len(examples), args.batch_size)]
     pad, flat = DataCollatorForTokenClassification(tokenizer), DataCollatorWithFlattening(return_position_ids=True)
     padded, packed = [pad(c) for c in chunks], [flat(c) for c in chunks]
     lengths = [len(e["input_ids"]) for e in examples]
@@ -166,8 +178,11 @@ def main(argv=None):
     assert real == sum(b["input_ids"].numel() for b in packed) == sum(int(b["attention_mask"].sum()) for b in padded)
 
     torch.manual_seed(args.seed)
-    model = BertImplForTokenClassification(BertImplConfig.from_preset(
-        args.model_size, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=len(TAGS)))
+    model = BertImplForTokenClassification(
+        BertImplConfig.from_preset(
+            args.model_size, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=len(TAGS)
+        )
+    )
     if args.kernels != "reference":  # reference: the plain model, as a trust_remote_code user runs it
         hf_bert_impl.kernelize(model, args.kernels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if args.optimizer_step else None
@@ -177,11 +192,16 @@ def main(argv=None):
         losses = [model(**b).loss.item() for b in (padded[0], packed[0])]
     diff = abs(losses[0] - losses[1])
     if not diff <= LOSS_TOLERANCE:  # also catches NaN
-        print(f"benchmark_packing.py: error: padded and packed losses differ: {losses[0]!r} vs {losses[1]!r} "
-              f"(|diff| {diff:.2e} > {LOSS_TOLERANCE})", file=sys.stderr)
+        print(
+            f"benchmark_packing.py: error: padded and packed losses differ: {losses[0]!r} vs {losses[1]!r} "
+            f"(|diff| {diff:.2e} > {LOSS_TOLERANCE})",
+            file=sys.stderr,
+        )
         raise SystemExit(1)
-    print(f"loss check (first batch, dropout off): padded {losses[0]:.6f}, packed {losses[1]:.6f}, "
-          f"|diff| {diff:.2e} <= {LOSS_TOLERANCE}")
+    print(
+        f"loss check (first batch, dropout off): padded {losses[0]:.6f}, packed {losses[1]:.6f}, "
+        f"|diff| {diff:.2e} <= {LOSS_TOLERANCE}"
+    )
 
     model.train()
     for i in range(args.warmup):
@@ -196,8 +216,15 @@ def main(argv=None):
         per_pass["padded"].append(totals[0])
         per_pass["packed"].append(totals[1])
 
-    paths = {k: {"seconds": sum(t), "seconds_per_pass": t, "sequences_per_s": len(examples) * args.passes / sum(t),
-                 "real_tokens_per_s": real * args.passes / sum(t)} for k, t in per_pass.items()}
+    paths = {
+        k: {
+            "seconds": sum(t),
+            "seconds_per_pass": t,
+            "sequences_per_s": len(examples) * args.passes / sum(t),
+            "real_tokens_per_s": real * args.passes / sum(t),
+        }
+        for k, t in per_pass.items()
+    }
     ratios = [a / b for a, b in zip(per_pass["padded"], per_pass["packed"])]
     kernels = kernel_facts(model, args.kernels, modes=("training",))  # the timed steps train
     words, tokens = sorted(len(r) for r in rows), sorted(lengths)
@@ -206,28 +233,45 @@ def main(argv=None):
         "command": "python scripts/benchmark_packing.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": {**info, "load_average_at_end": os.getloadavg()},
         "timed": "forward + backward" + (" + AdamW step" if args.optimizer_step else "") + " per batch, training mode",
-        "data": {"tokenizer": args.tokenizer_name or "WordPiece trained on the corpus", "vocab_size": len(tokenizer),
-                 "rows": len(examples), "words_min_median_max": [words[0], statistics.median(words), words[-1]],
-                 "tokens_min_median_max": [tokens[0], statistics.median(tokens), tokens[-1]], "real_tokens": real,
-                 "padded_grid_tokens": grid, "real_token_fraction": real / grid, "token_lengths": lengths},
+        "data": {
+            "tokenizer": args.tokenizer_name or "WordPiece trained on the corpus",
+            "vocab_size": len(tokenizer),
+            "rows": len(examples),
+            "words_min_median_max": [words[0], statistics.median(words), words[-1]],
+            "tokens_min_median_max": [tokens[0], statistics.median(tokens), tokens[-1]],
+            "real_tokens": real,
+            "padded_grid_tokens": grid,
+            "real_token_fraction": real / grid,
+            "token_lengths": lengths,
+        },
         "loss_check": {"padded": losses[0], "packed": losses[1], "abs_diff": diff, "tolerance": LOSS_TOLERANCE},
         "kernels": kernels,
         **paths,
         "speedup": paths["padded"]["seconds"] / paths["packed"]["seconds"],
-        "speedup_per_pass": ratios, "speedup_min": min(ratios), "speedup_max": max(ratios),
+        "speedup_per_pass": ratios,
+        "speedup_min": min(ratios),
+        "speedup_max": max(ratios),
     }
 
-    print(f"{len(rows)} rows: {words[0]} to {words[-1]} words (median {statistics.median(words)}), {tokens[0]} to "
-          f"{tokens[-1]} tokens; real tokens {100 * real / grid:.1f} % of the padded grid ({real:,} of {grid:,})")
+    print(
+        f"{len(rows)} rows: {words[0]} to {words[-1]} words (median {statistics.median(words)}), {tokens[0]} to "
+        f"{tokens[-1]} tokens; real tokens {100 * real / grid:.1f} % of the padded grid ({real:,} of {grid:,})"
+    )
     said = "the plain model" if args.kernels == "reference" else ", ".join(kernels["kernels"]["training"]) or "none"
     print(f"kernels: {args.kernels} ({said})")
     threads = f"{torch.get_num_threads()}" + ("" if args.kernels == "auto" else f", `kernels={args.kernels}`")
-    cells = [f"{p['seconds']:.2f} s, {p['sequences_per_s']:.1f} sequences/s, "
-             f"{p['real_tokens_per_s']:,.0f} real tokens/s" for p in paths.values()]
-    result["markdown_table"] = table = "\n".join([
-        "| threads | padded | packed | speed-up (min-max over passes) |", "|---|---|---|---|",
-        f"| {threads} | {cells[0]} | {cells[1]} | {result['speedup']:.2f}x "
-        f"({result['speedup_min']:.2f}-{result['speedup_max']:.2f}) |"])
+    cells = [
+        f"{p['seconds']:.2f} s, {p['sequences_per_s']:.1f} sequences/s, {p['real_tokens_per_s']:,.0f} real tokens/s"
+        for p in paths.values()
+    ]
+    result["markdown_table"] = table = "\n".join(
+        [
+            "| threads | padded | packed | speed-up (min-max over passes) |",
+            "|---|---|---|---|",
+            f"| {threads} | {cells[0]} | {cells[1]} | {result['speedup']:.2f}x "
+            f"({result['speedup_min']:.2f}-{result['speedup_max']:.2f}) |",
+        ]
+    )
     print(table)
     if args.json:
         write_result_json(result, args.json)

@@ -56,8 +56,14 @@ VARIANTS = {  # config fields of ours (None: transformers' BertForMaskedLM)
 
 
 def build_model(variant: str, size: dict, vocab_size: int, max_len: int, dropout: float):
-    common = dict(vocab_size=vocab_size, max_position_embeddings=max_len, hidden_dropout_prob=dropout,
-                  attention_probs_dropout_prob=dropout, pad_token_id=0, **size)
+    common = dict(
+        vocab_size=vocab_size,
+        max_position_embeddings=max_len,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        pad_token_id=0,
+        **size,
+    )
     if VARIANTS[variant] is None:
         return BertForMaskedLM(BertConfig(**common))
     model = BertImplForMaskedLM(BertImplConfig(**common, **VARIANTS[variant]))
@@ -128,8 +134,10 @@ def main(argv=None):
         "--threads", type=int, default=1, help="torch threads (the losses do not depend on it beyond rounding)"
     )
     parser.add_argument(
-        "--kernels", default="auto", help="ours' speed layer (hf_bert_impl.kernelize): auto (the table's kernels), "
-        "reference (the plain model) or kernel names, comma-separated; the losses do not depend on it beyond rounding"
+        "--kernels",
+        default="auto",
+        help="ours' speed layer (hf_bert_impl.kernelize): auto (the table's kernels), "
+        "reference (the plain model) or kernel names, comma-separated; the losses do not depend on it beyond rounding",
     )
     parser.add_argument("--out", default="outputs/positions", help="writes OUT.json and OUT.png")
     args = parser.parse_args(argv)

@@ -452,8 +452,12 @@ def finetune(args, seed: int, model_dir: Path, name: str, tokenizer, task_name: 
     if selecting:  # each rate trained on the train split, scored on the validation split
         validation_gold = np.asarray(task["validation"]["label"])
         validation = [
-            {"learning_rate": r,
-             "accuracy": float(accuracy_score(validation_gold, fit_predict(task["train"], task["validation"], r)[0]))}
+            {
+                "learning_rate": r,
+                "accuracy": float(
+                    accuracy_score(validation_gold, fit_predict(task["train"], task["validation"], r)[0])
+                ),
+            }
             for r in rates
         ]
     rate = rates[0] if validation is None else max(validation, key=lambda v: v["accuracy"])["learning_rate"]
@@ -1035,11 +1039,15 @@ def parse_args(argv=None):
     if args.sweep and args.ablation:
         parser.error("--sweep (transformers' recipes) and --ablation (ours') are separate runs: choose one")
     if args.finetune_variants and not args.ablation:
-        parser.error("--finetune_variants fine-tunes an ablation's variants: give --ablation (a race fine-tunes "
-                     "both models anyway)")
+        parser.error(
+            "--finetune_variants fine-tunes an ablation's variants: give --ablation (a race fine-tunes "
+            "both models anyway)"
+        )
     if args.finetune_variants and args.finetune_sweep:
-        parser.error("--finetune_variants fine-tunes each variant at ours' rate: leave --finetune_sweep out (it "
-                     "chooses rates for a race)")
+        parser.error(
+            "--finetune_variants fine-tunes each variant at ours' rate: leave --finetune_sweep out (it "
+            "chooses rates for a race)"
+        )
     if not 0 <= args.finetune_dropout < 1:
         parser.error(f"--finetune_dropout must be a rate in [0, 1), got {args.finetune_dropout}")
     rates = args.finetune_learning_rates
@@ -1048,13 +1056,17 @@ def parse_args(argv=None):
     if args.finetune_folds < 0 or args.finetune_folds == 1:
         parser.error(f"--finetune_folds must be 0 (the test split) or at least 2, got {args.finetune_folds}")
     if args.finetune_sweep and not (rates and args.finetune_folds):
-        parser.error("--finetune_sweep scores every rate of --finetune_learning_rates on every sentence: give those "
-                     "rates and --finetune_folds K")
+        parser.error(
+            "--finetune_sweep scores every rate of --finetune_learning_rates on every sentence: give those "
+            "rates and --finetune_folds K"
+        )
     args.finetune_rates = None  # each model's rate per task, read from --finetune_rates_from
     if args.finetune_rates_from:
         if rates or args.finetune_sweep:
-            parser.error("--finetune_rates_from gives each model its rates: leave --finetune_learning_rates and "
-                         "--finetune_sweep out")
+            parser.error(
+                "--finetune_rates_from gives each model its rates: leave --finetune_learning_rates and "
+                "--finetune_sweep out"
+            )
         try:
             args.finetune_rates = rates_from(args.finetune_rates_from, args.seeds, args.finetune_tasks)
         except ValueError as e:
@@ -1087,9 +1099,13 @@ def print_run(seed: int, name: str, result: dict) -> None:
         + " ".join(f"{p['seconds']:.0f}s:{p['eval_loss']:.3f}" for p in result["curve"])
         + "".join(
             f"; {task}: accuracy {scores['accuracy']:.4f}, MCC {scores['mcc']:.4f}"
-            + (f" (learning rate {scores['learning_rate']:g}, chosen on the validation split: "
-               + ", ".join(f"{v['learning_rate']:g} {v['accuracy']:.4f}" for v in scores["validation"]) + ")"
-               if scores.get("validation") else "")
+            + (
+                f" (learning rate {scores['learning_rate']:g}, chosen on the validation split: "
+                + ", ".join(f"{v['learning_rate']:g} {v['accuracy']:.4f}" for v in scores["validation"])
+                + ")"
+                if scores.get("validation")
+                else ""
+            )
             for task, scores in result.get("finetune", {}).items()
         ),
         flush=True,
@@ -1482,8 +1498,12 @@ def main(argv=None) -> int:
         print(
             f"{task}: mean {folds} accuracy ours {scores['ours']['accuracy']:.4f} (MCC {scores['ours']['mcc']:.4f}), "
             f"transformers {scores['transformers']['accuracy']:.4f} (MCC {scores['transformers']['mcc']:.4f})"
-            + ("" if test is None else f"; sentences right more often: ours {test['ours_right_more_often']}, "
-               f"transformers {test['transformers_right_more_often']} (sign test p = {test['p_value']:.3g})")
+            + (
+                ""
+                if test is None
+                else f"; sentences right more often: ours {test['ours_right_more_often']}, "
+                f"transformers {test['transformers_right_more_often']} (sign test p = {test['p_value']:.3g})"
+            )
         )
     if s["finetune_rates"]:
         plot_rates(report, f"{args.out}_rates.png")

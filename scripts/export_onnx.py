@@ -45,8 +45,12 @@ RUNTIMES = {"onnx": "onnxruntime", "openvino": "openvino"}  # format -> the modu
 @dataclass
 class ExportArguments:
     model: str = field(metadata={"help": "directory of a saved bert_impl checkpoint (save_pretrained output)"})
-    out: str | None = field(default=None, metadata={
-        "help": "file to write (default: <model>/model.onnx, or <model>/openvino_model.xml with --format openvino)"})
+    out: str | None = field(
+        default=None,
+        metadata={
+            "help": "file to write (default: <model>/model.onnx, or <model>/openvino_model.xml with --format openvino)"
+        },
+    )
     format: str = field(default="onnx", metadata={"help": "onnx or openvino (OpenVINO's IR)", "choices": FORMATS})
     opset: int = field(default=18, metadata={"help": "ONNX opset version"})
     check_lengths: list[int] = field(default_factory=lambda: [8, 32], metadata={"help": "sequence lengths to check"})
@@ -74,7 +78,7 @@ def sample_inputs(model, batch: int, seq: int, seed: int = 0) -> dict:
     mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()  # (b, s)
     ids = torch.randint(1, config.vocab_size, (batch, seq), generator=g) * mask
     types = (torch.arange(seq)[None, :] >= seq // 2).long().expand(batch, seq) % config.type_vocab_size * mask
-    inputs = dict(input_ids=ids, attention_mask=mask, token_type_ids=types.contiguous())
+    inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types.contiguous()}
     if isinstance(model, BertImplForMultipleChoice):  # (b, c, s): two choices per example
         inputs = {k: torch.stack([v, v.roll(1, dims=0)], dim=1) for k, v in inputs.items()}
     return inputs
@@ -88,7 +92,7 @@ def dynamic_shapes(model) -> dict:
         dims = {0: batch, 1: torch.export.Dim("choices", min=1, max=64), 2: seq}
     else:
         dims = {0: batch, 1: seq}
-    return {name: dims for name in INPUT_NAMES}
+    return dict.fromkeys(INPUT_NAMES, dims)
 
 
 def output_names(model, inputs) -> list[str]:
@@ -102,8 +106,16 @@ def export_onnx(model, path: str, opset: int = 18) -> list[str]:
     names = output_names(model, inputs)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     torch.onnx.export(
-        model, (), path, kwargs=inputs, dynamic_shapes=dynamic_shapes(model), input_names=list(INPUT_NAMES),
-        output_names=names, opset_version=opset, dynamo=True, verbose=False,
+        model,
+        (),
+        path,
+        kwargs=inputs,
+        dynamic_shapes=dynamic_shapes(model),
+        input_names=list(INPUT_NAMES),
+        output_names=names,
+        opset_version=opset,
+        dynamo=True,
+        verbose=False,
     )
     return names
 
@@ -131,6 +143,7 @@ def runtime(path: str, format: str = "onnx"):
         def run(feeds):
             result = compiled(feeds)
             return [result[port] for port in compiled.outputs]
+
         return run
     import onnxruntime as ort
 
@@ -156,11 +169,16 @@ def check_export(model, path: str, lengths, batch: int = 3, format: str = "onnx"
             out = torch.from_numpy(out)
             per_token = out.dim() >= real.dim() and out.shape[: real.dim()] == real.shape
             pick = (lambda t: t[real]) if per_token else (lambda t: t)
-            rows.append(dict(
-                sequence=seq, batch=batch, output=name, shape=tuple(out.shape),
-                max_abs_diff=(out - ref).abs().max().item(),
-                real_token_diff=(pick(out) - pick(ref_fast)).abs().max().item(),
-            ))
+            rows.append(
+                {
+                    "sequence": seq,
+                    "batch": batch,
+                    "output": name,
+                    "shape": tuple(out.shape),
+                    "max_abs_diff": (out - ref).abs().max().item(),
+                    "real_token_diff": (pick(out) - pick(ref_fast)).abs().max().item(),
+                }
+            )
     return rows
 
 
@@ -171,8 +189,10 @@ def main(argv=None) -> int:
         return 2
     checker = RUNTIMES[args.format]  # argparse took only FORMATS
     if not args.no_check and importlib.util.find_spec(checker) is None:  # fail before the export
-        print(f"export_onnx: error: the check needs {checker}: pip install -e '.[test]' (or pass --no_check)",
-              file=sys.stderr)
+        print(
+            f"export_onnx: error: the check needs {checker}: pip install -e '.[test]' (or pass --no_check)",
+            file=sys.stderr,
+        )
         return 2
     if not args.no_check and (not args.check_lengths or min(args.check_lengths) < 1):
         print(f"export_onnx: error: --check_lengths needs positive lengths, got {args.check_lengths}", file=sys.stderr)
@@ -191,8 +211,11 @@ def main(argv=None) -> int:
         staged = os.path.join(staging, os.path.basename(out))
         names = export_onnx(model, staged, args.opset) if args.format == "onnx" else export_openvino(model, staged)
     except (ValueError, OSError, ImportError) as e:  # ImportError: onnx / onnxscript / openvino missing
-        hint = " (pip install -e '.[test]' brings onnx, onnxscript, onnxruntime and openvino)" \
-            if isinstance(e, ImportError) else ""
+        hint = (
+            " (pip install -e '.[test]' brings onnx, onnxscript, onnxruntime and openvino)"
+            if isinstance(e, ImportError)
+            else ""
+        )
         print(f"export_onnx: error: {e}{hint}", file=sys.stderr)
         return 2
     try:
@@ -220,6 +243,7 @@ def main(argv=None) -> int:
         return 0
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
 
 if __name__ == "__main__":
     sys.exit(main())

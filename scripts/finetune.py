@@ -416,8 +416,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     if task == "token":
         model_class = BertImplForTokenClassification
-        config_kwargs = {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)),
-                         "label2id": label2id}
+        config_kwargs = {
+            "num_labels": len(label_names),
+            "id2label": dict(enumerate(label_names)),
+            "label2id": label2id,
+        }
     else:
         model_class = BertImplForSequenceClassification
         config_kwargs = (

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import matplotlib
 
+
 matplotlib.use("Agg")  # files only; no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
@@ -36,7 +37,9 @@ class PlotArguments:
     layers: list[int] | None = field(default=None, metadata={"help": "layers to draw (default: all)"})
     max_tokens: int = field(default=24, metadata={"help": "truncate the sentence to this many tokens"})
     pe_out: str | None = field(default=None, metadata={"help": "also write a PNG of the sinusoidal encoding"})
-    pe_positions: int | None = field(default=None, metadata={"help": "positions in it (default: max_position_embeddings)"})
+    pe_positions: int | None = field(
+        default=None, metadata={"help": "positions in it (default: max_position_embeddings)"}
+    )
 
 
 def attention_maps(model, tokenizer, text: str, max_tokens: int):
@@ -78,17 +81,29 @@ def plot_position_encoding(model, positions: int, path: str):
     dim = model.config.hidden_size
     pe = sinusoidal_position_encoding(positions, dim)
     learned = getattr(model.embeddings, "position_embeddings", None)
-    panels = [(pe, f"sinusoidal_position_encoding({positions}, {dim})\n"
-                   "PE(pos, 2i) = sin(pos / 10000^(2i/d)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d))")]
+    panels = [
+        (
+            pe,
+            f"sinusoidal_position_encoding({positions}, {dim})\n"
+            "PE(pos, 2i) = sin(pos / 10000^(2i/d)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d))",
+        )
+    ]
     if learned is not None:
         table = learned.weight.detach()[:positions]
-        panels.append((table, f"this checkpoint's learned position table ({table.shape[0]} x {dim})\n"
-                               "colour clipped at the 99.5th percentile of |value|"))
+        panels.append(
+            (
+                table,
+                f"this checkpoint's learned position table ({table.shape[0]} x {dim})\n"
+                "colour clipped at the 99.5th percentile of |value|",
+            )
+        )
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
     for ax, (table, title) in zip(axes[0], panels):
         # Learned tables have a few large outliers that would wash the rest out: clip the colour scale.
         limit = float(table.abs().max()) if table is pe else float(table.abs().flatten().quantile(0.995))
-        image = ax.imshow(table.numpy(), aspect="auto", cmap="RdBu_r", vmin=-limit, vmax=limit, interpolation="nearest")
+        image = ax.imshow(
+            table.numpy(), aspect="auto", cmap="RdBu_r", vmin=-limit, vmax=limit, interpolation="nearest"
+        )
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("dimension (even: sin, odd: cos)" if table is pe else "dimension")
         ax.set_ylabel("position")
@@ -103,7 +118,10 @@ def main(argv=None) -> int:
         print(f"plot_attention: error: --model {args.model!r} is not a directory", file=sys.stderr)
         return 2
     if args.text is None and args.pe_out is None:
-        print("plot_attention: error: nothing to draw; pass --text (attention) and/or --pe_out (encoding)", file=sys.stderr)
+        print(
+            "plot_attention: error: nothing to draw; pass --text (attention) and/or --pe_out (encoding)",
+            file=sys.stderr,
+        )
         return 2
     if args.text is not None and not args.text.strip():
         print("plot_attention: error: --text is empty", file=sys.stderr)
@@ -125,7 +143,9 @@ def main(argv=None) -> int:
                 p = probs[layer]
                 entropy = -(p * p.clamp_min(1e-12).log()).sum(-1).mean().item()
                 to_cls = p[..., 0].mean().item()
-                print(f"  layer {layer}: mean row entropy {entropy:.3f} nats, mean attention to {tokens[0]} {to_cls:.3f}")
+                print(
+                    f"  layer {layer}: mean row entropy {entropy:.3f} nats, mean attention to {tokens[0]} {to_cls:.3f}"
+                )
         if args.pe_out is not None:
             positions = args.pe_positions or model.config.max_position_embeddings
             if positions <= 0:

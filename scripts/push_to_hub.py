@@ -48,8 +48,12 @@ def main(argv=None) -> int:
 
     try:
         result = push_model_dir(
-            args.model_dir, args.repo_id, private=args.private, revision=args.revision,
-            commit_message=args.commit_message, dry_run=args.dry_run,
+            args.model_dir,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.commit_message,
+            dry_run=args.dry_run,
         )
     except HfHubHTTPError as err:  # the Hub refused a request after every local check passed
         print(f"push_to_hub.py: error: the Hub refused the push: {str(err).splitlines()[0]}", file=sys.stderr)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Tiny models are dominated by thread start-up, and a 2-core CI machine runs subprocesses beside
@@ -39,7 +40,7 @@ def debug_config():
     from hf_bert_impl import BertImplConfig
 
     def make(**overrides):
-        kw = dict(vocab_size=VOCAB, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        kw = {"vocab_size": VOCAB, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
         kw.update(overrides)
         return BertImplConfig.from_preset("debug", **kw)
 

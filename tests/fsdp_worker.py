@@ -57,12 +57,12 @@ def global_batches(steps: int):
         pick[:, 1] = True  # every row has a label
         words = torch.randint(1, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
         labels = torch.where(pick, words, torch.full_like(ids, -100))
-        out.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
 
 
 def make_config(**overrides) -> BertImplConfig:
-    kw = dict(vocab_size=VOCAB, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    kw = {"vocab_size": VOCAB, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     kw.update(overrides)
     return BertImplConfig.from_preset("debug", **kw)
 
@@ -77,11 +77,12 @@ def build(config: BertImplConfig, state: dict | None, kernels: dict | None) -> B
 
 def local(batch: dict, rank: int, world: int) -> dict:  # this rank's rows of the global batch
     n = GLOBAL_BATCH // world
-    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
 
 
-def shard(model: BertImplForMaskedLM, mp: MixedPrecisionPolicy | None = None,
-          grouping: str = "layers") -> BertImplForMaskedLM:
+def shard(
+    model: BertImplForMaskedLM, mp: MixedPrecisionPolicy | None = None, grouping: str = "layers"
+) -> BertImplForMaskedLM:
     """fully_shard each BertImplLayer, then the root. grouping="accelerate": as accelerate 1.15's FSDP2 preparation
     with transformer_layer_cls_to_wrap=["BertImplLayer"]: the layers, then the tied pair (word embeddings, decoder) as
     one group kept unsharded after forward, then the root."""
@@ -153,8 +154,9 @@ def relative(a: dict, b: dict) -> float:  # max |a - b| over all tensors, relati
     return max_diff(a, b) / max(float(v.abs().max()) for v in b.values())
 
 
-def scenario(name, config, init_state, batches, rank, world, out_dir, kernels, checkpoint=False, mp=None,
-             grouping="layers") -> dict:
+def scenario(
+    name, config, init_state, batches, rank, world, out_dir, kernels, checkpoint=False, mp=None, grouping="layers"
+) -> dict:
     t0, res = time.time(), {}
     if rank == 0:  # one process, unsharded, the global batches (rank 0 alone: it needs no communication)
         ref = build(config, init_state, kernels)
@@ -171,10 +173,12 @@ def scenario(name, config, init_state, batches, rank, world, out_dir, kernels, c
     res["kernelized"] = sorted(set(kernelized(model).values()))  # the kernel functions put on the model
     layer_inputs = []
     model.bert.layers[0].register_forward_pre_hook(
-        lambda m, args: layer_inputs.append([list(args[0].shape), str(args[0].dtype)]))
+        lambda m, args: layer_inputs.append([list(args[0].shape), str(args[0].dtype)])
+    )
     shard(model, mp, grouping)
-    res["sharded"] = all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel()
-                         for p in model.parameters())
+    res["sharded"] = all(
+        type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel() for p in model.parameters()
+    )
     res["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     opt, seen, losses = torch.optim.AdamW(model.parameters(), lr=LR), {}, []
     for step, b in enumerate(batches, 1):
@@ -184,19 +188,28 @@ def scenario(name, config, init_state, batches, rank, world, out_dir, kernels, c
             dcp.save(state, checkpoint_id=os.path.join(out_dir, f"{name}_dcp"))
             at_checkpoint = full_weights(model)
     first = local(batches[0], rank, world)
-    res.update(fsdp_losses=losses, logits_shape=seen["logits_shape"], layer0_input=layer_inputs[0],
-               local_real_tokens=int(first["attention_mask"].sum()), local_labels=int(first["labels"].ne(-100).sum()),
-               local_rows=len(first["labels"]), seq=SEQ, hidden=config.hidden_size, vocab=config.vocab_size,
-               optimizer_state_dtypes=sorted({str(v.dtype) for s in opt.state.values() for v in s.values()
-                                              if v.dim()}))
+    res.update(
+        fsdp_losses=losses,
+        logits_shape=seen["logits_shape"],
+        layer0_input=layer_inputs[0],
+        local_real_tokens=int(first["attention_mask"].sum()),
+        local_labels=int(first["labels"].ne(-100).sum()),
+        local_rows=len(first["labels"]),
+        seq=SEQ,
+        hidden=config.hidden_size,
+        vocab=config.vocab_size,
+        optimizer_state_dtypes=sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim()}),
+    )
     weights = full_weights(model)
     if rank == 0:
         res["grad_vs_single"] = relative(seen["grads"], ref_seen["grads"])
         res["weights_vs_single"] = max_diff(weights, ref_weights)
         k = max(weights, key=lambda k: float((weights[k] - ref_weights[k]).abs().max()))
         res["weights_vs_single_where"] = k
-        res["update_vs_single"] = (sum(float((weights[k] - ref_weights[k]).norm() ** 2) for k in weights) / sum(
-            float((ref_weights[k] - init_state[k].float()).norm() ** 2) for k in weights)) ** 0.5
+        res["update_vs_single"] = (
+            sum(float((weights[k] - ref_weights[k]).norm() ** 2) for k in weights)
+            / sum(float((ref_weights[k] - init_state[k].float()).norm() ** 2) for k in weights)
+        ) ** 0.5
     if checkpoint:
         # the full state dict, gathered on rank 0 (CPU) -> save_pretrained -> from_pretrained: the same outputs
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -230,10 +243,12 @@ def scenario(name, config, init_state, batches, rank, world, out_dir, kernels, c
         loaded_weights = full_weights(fresh)
         res["resumed_losses"] = [sharded_step(fresh, fresh_opt, b, rank, world) for b in batches[CHECKPOINT_STEP:]]
         resumed = full_weights(fresh)
-        res.update(resumed_vs_uninterrupted=max_diff(resumed, weights),
-                   loaded_vs_checkpoint=max_diff(loaded_weights, at_checkpoint),
-                   fresh_vs_checkpoint=max_diff(before_load, at_checkpoint),
-                   resumed_moved=max_diff(resumed, at_checkpoint))
+        res.update(
+            resumed_vs_uninterrupted=max_diff(resumed, weights),
+            loaded_vs_checkpoint=max_diff(loaded_weights, at_checkpoint),
+            fresh_vs_checkpoint=max_diff(before_load, at_checkpoint),
+            resumed_moved=max_diff(resumed, at_checkpoint),
+        )
     res["seconds"] = round(time.time() - t0, 2)
     return res
 
@@ -250,11 +265,11 @@ def main(out_dir: str) -> None:
     torch.manual_seed(0)
     init_state = {k: v.clone() for k, v in BertImplForMaskedLM(config).state_dict().items()}
     for name, kernels, kw in [  # kernels: kernelize's keyword arguments (None: the plain model)
-        ("default", {}, dict(checkpoint=True)),  # kernels "auto": it unpads this padded batch
+        ("default", {}, {"checkpoint": True}),  # kernels "auto": it unpads this padded batch
         ("plain", None, {}),  # the model file alone: the padded batch, masked
-        ("unpadded_sparse", dict(kernels="unpadded"), dict(checkpoint=True)),  # and config.sparse_prediction
-        ("bf16", {}, dict(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
-        ("accelerate_grouping", dict(kernels="unpadded"), dict(grouping="accelerate")),
+        ("unpadded_sparse", {"kernels": "unpadded"}, {"checkpoint": True}),  # and config.sparse_prediction
+        ("bf16", {}, {"mp": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
+        ("accelerate_grouping", {"kernels": "unpadded"}, {"grouping": "accelerate"}),
     ]:
         scenario_config = make_config(sparse_prediction=True) if name == "unpadded_sparse" else config
         results[name] = scenario(name, scenario_config, init_state, batches, rank, world, out_dir, kernels, **kw)

@@ -35,8 +35,27 @@ def _tiny_benchmark(bench, tmp_path, *argv) -> dict:
     (MFU's ceiling, sampled before and after every workload) is measured on 256² instead of 1536² matrices
     (`--peak_n`): a bf16 GEMM of that size takes seconds on a CPU without bf16 instructions."""
     out = tmp_path / "bench.json"
-    bench.main(["--size", "tiny", "--device", "cpu", "--seq_len", "16", "--batch_size", "2", "--pairs", "1",
-                "--warmup", "0", "--peak_n", "256", *argv, "--json", str(out)])
+    bench.main(
+        [
+            "--size",
+            "tiny",
+            "--device",
+            "cpu",
+            "--seq_len",
+            "16",
+            "--batch_size",
+            "2",
+            "--pairs",
+            "1",
+            "--warmup",
+            "0",
+            "--peak_n",
+            "256",
+            *argv,
+            "--json",
+            str(out),
+        ]
+    )
     return json.loads(out.read_text())
 
 
@@ -71,8 +90,13 @@ def test_benchmark_script_checks_outputs_and_writes_json(bench, tmp_path):
     assert result["device_type"] == "cpu" and result["args"]["kernels"] == "auto"
     assert result["command"].startswith("python scripts/benchmark.py --size tiny --device cpu")
     checks = result["backends"]["sdpa"]["checks"]
-    assert {"fixed_max_abs_diff", "mixed_max_abs_diff", "mlm_loss_abs_diff", "mlm_logits_max_abs_diff",
-            "mlm_grad_max_abs_diff"} <= set(checks)
+    assert {
+        "fixed_max_abs_diff",
+        "mixed_max_abs_diff",
+        "mlm_loss_abs_diff",
+        "mlm_logits_max_abs_diff",
+        "mlm_grad_max_abs_diff",
+    } <= set(checks)
     assert "mlm_dense_loss_abs_diff" not in checks  # mlm_dense not asked for
     assert all(v <= 1e-5 for v in checks.values()), checks
     rows = result["backends"]["sdpa"]["workloads"]
@@ -82,8 +106,11 @@ def test_benchmark_script_checks_outputs_and_writes_json(bench, tmp_path):
     entry = list(K.table_kernels("cpu", False, torch.float32))
     for row in rows.values():
         _assert_row_follows_from_its_times(row, "transformers", result["matmul_peak_flops"]["best"])
-        assert row["ours_kernels"] == {"setting": "auto", "kernels": entry,
-                                       "kernelized": UNPADDED if "unpadded" in entry else {}}
+        assert row["ours_kernels"] == {
+            "setting": "auto",
+            "kernels": entry,
+            "kernelized": UNPADDED if "unpadded" in entry else {},
+        }
         assert "peak_memory_mb" not in row["ours"] and "memory_ratio" not in row  # --memory false
     assert result["kernels"] == {"setting": "auto", "kernels": entry}
     _assert_peak_is_the_best_sample(result, samples=1 + len(rows) + 1)  # the start, after each workload, the end
@@ -115,19 +142,31 @@ def test_benchmark_against_the_serving_runtimes_in_one_run(bench, tmp_path, monk
     result = _tiny_benchmark(bench, tmp_path, "--against", "onnxruntime,openvino,compile", "--memory", "false")
     anchors = result["backends"]["anchors"]
     assert set(result["backends"]) == {"anchors"} and anchors["weights"] == "f32"
-    runners = {"transformers", "ours", "onnxruntime_transformers", "onnxruntime_ours", "openvino_f32",
-               "openvino_default", "transformers_compile", "ours_compile"}
+    runners = {
+        "transformers",
+        "ours",
+        "onnxruntime_transformers",
+        "onnxruntime_ours",
+        "openvino_f32",
+        "openvino_default",
+        "transformers_compile",
+        "ours_compile",
+    }
     assert anchors["anchors"] == ["onnxruntime", "openvino", "compile"]
     assert set(anchors["versions"]) == {"torch", "onnxruntime", "openvino"}
     assert set(anchors["workloads"]) == {"fixed", "mixed"} and anchors["errors"] == {
         w: {tag: anchors["workloads"][w][tag]["max_abs_diff_vs_transformers_fp32"] for tag in runners}
-        for w in ("fixed", "mixed")}
+        for w in ("fixed", "mixed")
+    }
     entry = list(K.table_kernels("cpu", False, torch.float32))
     for workload, row in anchors["workloads"].items():
         assert runners == {tag for tag in row if isinstance(row[tag], dict) and "times_s" in row[tag]}, sorted(row)
         _assert_row_follows_from_its_times(row, "transformers", result["matmul_peak_flops"]["best"])
-        assert row["ours_kernels"] == {"setting": "auto", "kernels": entry,
-                                       "kernelized": UNPADDED if "unpadded" in entry else {}}
+        assert row["ours_kernels"] == {
+            "setting": "auto",
+            "kernels": entry,
+            "kernelized": UNPADDED if "unpadded" in entry else {},
+        }
         for tag in runners - {"ours"}:
             ratio = statistics.median(a / b for a, b in zip(row[tag]["times_s"], row["ours"]["times_s"]))
             assert row[f"ours_vs_{tag}_median"] == pytest.approx(ratio, rel=1e-9)
@@ -145,6 +184,7 @@ def test_benchmark_against_the_serving_runtimes_in_one_run(bench, tmp_path, monk
 def test_benchmark_stops_when_a_runner_disagrees(bench, monkeypatch, capsys):
     """--against: a runner whose output is off float32 transformers (here 1.0 off; uncompiled, so the check is what
     is tested) stops the run before any timing, exit status 2, naming the runner."""
+
     def off_by_one(hf, ours, precision="f32"):
         return {"transformers_compile": (lambda batch: hf.bert(**batch).last_hidden_state + 1.0, precision)}
 
@@ -152,8 +192,28 @@ def test_benchmark_stops_when_a_runner_disagrees(bench, monkeypatch, capsys):
     monkeypatch.setattr(bench, "compiled_runners", off_by_one)
     monkeypatch.setattr(bench, "interleaved", lambda *a: timed.append(a) or pytest.fail("timed after a failed check"))
     with pytest.raises(SystemExit) as stop:
-        bench.main(["--size", "tiny", "--device", "cpu", "--seq_len", "16", "--batch_size", "2", "--pairs", "1",
-                    "--warmup", "0", "--peak_n", "256", "--against", "compile", "--memory", "false"])
+        bench.main(
+            [
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--seq_len",
+                "16",
+                "--batch_size",
+                "2",
+                "--pairs",
+                "1",
+                "--warmup",
+                "0",
+                "--peak_n",
+                "256",
+                "--against",
+                "compile",
+                "--memory",
+                "false",
+            ]
+        )
     assert stop.value.code == 2 and timed == []
     err = capsys.readouterr().err
     assert "benchmark.py: error: outputs differ from float32 transformers" in err and "transformers_compile" in err
@@ -228,8 +288,9 @@ def test_benchmark_under_bf16_autocast(bench, tmp_path):
     """--dtype autocast: float32 weights, every forward under bf16 autocast; the outputs are checked against float32
     first (ours within 3x transformers' own bf16 error, which must be non-zero: bf16 ran), MFU is against the bf16
     matmul peak and the bf16 targets apply."""
-    result = _tiny_benchmark(bench, tmp_path, "--dtype", "autocast", "--workloads", "fixed,mixed,mlm_dense",
-                             "--memory", "false")
+    result = _tiny_benchmark(
+        bench, tmp_path, "--dtype", "autocast", "--workloads", "fixed,mixed,mlm_dense", "--memory", "false"
+    )
     checks = result["backends"]["sdpa"]["checks"]
     for name in ("fixed", "mixed"):
         hf_err, ours_err = checks[f"{name}_hf_bf16_err"], checks[f"{name}_ours_bf16_err"]
@@ -252,8 +313,18 @@ def test_benchmark_autocast_scope_run_times_inference_inside_one_context(bench, 
         return interleaved(fns, *rest)
 
     monkeypatch.setattr(bench, "interleaved", spy)
-    result = _tiny_benchmark(bench, tmp_path, "--dtype", "autocast", "--autocast_scope", "run", "--workloads",
-                             "fixed,mlm", "--memory", "false")
+    result = _tiny_benchmark(
+        bench,
+        tmp_path,
+        "--dtype",
+        "autocast",
+        "--autocast_scope",
+        "run",
+        "--workloads",
+        "fixed,mlm",
+        "--memory",
+        "false",
+    )
     assert result["args"]["autocast_scope"] == "run" and timed == [True, False]
     _tiny_benchmark(bench, tmp_path, "--dtype", "autocast", "--workloads", "fixed", "--memory", "false")
     assert timed[-1] is False  # the default: a context per forward
@@ -288,8 +359,11 @@ def test_benchmark_kernels_option_kernelizes_ours(bench, tmp_path, monkeypatch, 
         assert any(packed)  # the mixed batch (checks and timing); the mlm batch has no padding: the plain forward
     expected = [] if kernels == "reference" else ["unpadded"]
     for row in result["backends"]["sdpa"]["workloads"].values():
-        assert row["ours_kernels"] == {"setting": kernels, "kernels": expected,
-                                       "kernelized": {} if kernels == "reference" else UNPADDED}
+        assert row["ours_kernels"] == {
+            "setting": kernels,
+            "kernels": expected,
+            "kernelized": {} if kernels == "reference" else UNPADDED,
+        }
     assert result["kernels"] == {"setting": kernels, "kernels": expected}
     said = "reference: none (the plain model)" if kernels == "reference" else "unpadded: unpadded"
     out = capsys.readouterr().out
@@ -319,27 +393,42 @@ def test_benchmark_mixed_lengths_are_the_uniform_quantiles(bench):
     assert sum(lengths) / (8 * 128) == 0.5625
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--size", "huge"], "--size must be tiny or base, got 'huge'"),
-    (["--workloads", "fixed,train"], "--workloads takes a comma-separated subset of fixed,mixed,mlm,mlm_dense, got "
-                                     "'fixed,train'"),
-    (["--seq_len", "1000"], "--seq_len must be in [8, 512]"),
-    (["--dtype", "fp16"], "--dtype must be one of ['autocast', 'bf16', 'fp32'], got 'fp16'"),
-    (["--device", "tpu"], "--device must be auto, cpu or cuda, got 'tpu'"),
-    (["--kernels", "fast"], "--kernels must be auto, reference or kernel names from unpadded (comma-separated), got "
-                            "'fast'"),
-    (["--kernels", "unpadded,nope"], "got 'unpadded,nope'"),
-    (["--against", "tensorrt"],
-     "--against must be transformers or a comma-separated subset of onnxruntime,openvino,compile, got 'tensorrt'"),
-    (["--against", "openvino,transformers"], "comma-separated subset of onnxruntime,openvino,compile, got 'openvino,"),
-    (["--against", "onnxruntime", "--dtype", "bf16"], "--against onnxruntime runs float32 only"),
-    (["--against", "openvino", "--dtype", "autocast"],
-     "--against openvino runs on the CPU with fp32 or bf16 weights, got --dtype autocast"),
-    (["--autocast_scope", "always"], "--autocast_scope must be forward or run, got 'always'"),
-    (["--autocast_scope", "run"], "--autocast_scope run needs --dtype autocast, got --dtype fp32"),
-    (["--optim", "adamw_fast"], "--optim 'adamw_fast': adamw_fast is not a valid OptimizerNames"),
-    (["--backends", "xformers"], "unknown attention backend 'xformers' in --backends"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--size", "huge"], "--size must be tiny or base, got 'huge'"),
+        (
+            ["--workloads", "fixed,train"],
+            "--workloads takes a comma-separated subset of fixed,mixed,mlm,mlm_dense, got 'fixed,train'",
+        ),
+        (["--seq_len", "1000"], "--seq_len must be in [8, 512]"),
+        (["--dtype", "fp16"], "--dtype must be one of ['autocast', 'bf16', 'fp32'], got 'fp16'"),
+        (["--device", "tpu"], "--device must be auto, cpu or cuda, got 'tpu'"),
+        (
+            ["--kernels", "fast"],
+            "--kernels must be auto, reference or kernel names from unpadded (comma-separated), got 'fast'",
+        ),
+        (["--kernels", "unpadded,nope"], "got 'unpadded,nope'"),
+        (
+            ["--against", "tensorrt"],
+            "--against must be transformers or a comma-separated subset of onnxruntime,openvino,compile, "
+            "got 'tensorrt'",
+        ),
+        (
+            ["--against", "openvino,transformers"],
+            "comma-separated subset of onnxruntime,openvino,compile, got 'openvino,",
+        ),
+        (["--against", "onnxruntime", "--dtype", "bf16"], "--against onnxruntime runs float32 only"),
+        (
+            ["--against", "openvino", "--dtype", "autocast"],
+            "--against openvino runs on the CPU with fp32 or bf16 weights, got --dtype autocast",
+        ),
+        (["--autocast_scope", "always"], "--autocast_scope must be forward or run, got 'always'"),
+        (["--autocast_scope", "run"], "--autocast_scope run needs --dtype autocast, got --dtype fp32"),
+        (["--optim", "adamw_fast"], "--optim 'adamw_fast': adamw_fast is not a valid OptimizerNames"),
+        (["--backends", "xformers"], "unknown attention backend 'xformers' in --backends"),
+    ],
+)
 def test_benchmark_rejects_bad_arguments(bench, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)

@@ -68,7 +68,8 @@ for auto, path in job["heads"]:
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     x = inputs["mc"] if auto == "AutoModelForMultipleChoice" else inputs["plain"]
     with torch.no_grad():
-        got = {{**flat(model(**x)), **{{"att:" + k: v for k, v in flat(model(**x, output_attentions=True, output_hidden_states=True)).items()}}}}
+        verbose = flat(model(**x, output_attentions=True, output_hidden_states=True))
+        got = {{**flat(model(**x)), **{{"att:" + k: v for k, v in verbose.items()}}}}
     torch.save(got, job["out"] + f"/{{auto}}.pt")
 
 class ListData(torch.utils.data.Dataset):
@@ -111,7 +112,10 @@ def _side_install(version):
         return {}
     path = COMPAT_DIR / folder
     if not (path / "transformers" / "__init__.py").is_file():
-        pytest.fail(f"{path} is missing: run `bash scripts/test.sh` (or `WITH_COMPAT=1 bash scripts/setup_env.sh`): it makes the side installs")
+        pytest.fail(
+            f"{path} is missing: run `bash scripts/test.sh` (or `WITH_COMPAT=1 bash scripts/setup_env.sh`): "
+            "it makes the side installs"
+        )
     return {"PYTHONPATH": str(path)}
 
 
@@ -125,7 +129,7 @@ def _mlm_rows(vocab, n=16, seq=7):
         labels = torch.full((seq,), -100)
         k = 1 + i % 3  # micro-batches hold different numbers of masked tokens: the case that needs num_items_in_batch
         labels[:k] = ids[:k]
-        rows.append(dict(input_ids=ids * mask, attention_mask=mask, labels=labels))
+        rows.append({"input_ids": ids * mask, "attention_mask": mask, "labels": labels})
     return rows
 
 
@@ -133,7 +137,7 @@ def _mlm_rows(vocab, n=16, seq=7):
 def test_remote_code_under_transformers_version(version, debug_config, batch, minilm_dir, tmp_path):
     env = _side_install(version)
     input_ids, attention_mask, token_type_ids = batch
-    plain = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    plain = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
     mc = {k: v[:12].reshape(4, 3, -1) for k, v in plain.items()}  # (b, c, s) for multiple choice
     torch.save({"plain": plain, "mc": mc}, tmp_path / "inputs.pt")
     torch.manual_seed(0)
@@ -149,21 +153,37 @@ def test_remote_code_under_transformers_version(version, debug_config, batch, mi
     torch.save([dict(r, labels=torch.tensor(i % 3)) for i, r in enumerate(rows)], tmp_path / "cls.pt")
     train = [
         ["AutoModelForMaskedLM", str(tmp_path / "BertImplForMaskedLM"), str(tmp_path / "mlm.pt")],
-        ["AutoModelForSequenceClassification", str(tmp_path / "BertImplForSequenceClassification"), str(tmp_path / "cls.pt")],
+        [
+            "AutoModelForSequenceClassification",
+            str(tmp_path / "BertImplForSequenceClassification"),
+            str(tmp_path / "cls.pt"),
+        ],
     ]
     (tmp_path / "out").mkdir()
-    job = dict(inputs=str(tmp_path / "inputs.pt"), heads=heads, train=train, out=str(tmp_path / "out"))
+    job = {"inputs": str(tmp_path / "inputs.pt"), "heads": heads, "train": train, "out": str(tmp_path / "out")}
     code = CHILD.format(job=str(tmp_path / "job.json"))
     if version in PACKAGE_VERSIONS:  # part 2: the package's scripts, in the same interpreter
         (tmp_path / "pkg").mkdir()
-        job["package"] = dict(out=str(tmp_path / "pkg"), repo=str(REPO_ROOT), minilm=str(minilm_dir), texts=PROBE_TEXTS)
+        job["package"] = {
+            "out": str(tmp_path / "pkg"),
+            "repo": str(REPO_ROOT),
+            "minilm": str(minilm_dir),
+            "texts": PROBE_TEXTS,
+        }
         code += PACKAGE_PART
     (tmp_path / "job.json").write_text(json.dumps(job))
     started = time.time()
     proc = run_without_package(
-        code, cwd=tmp_path, timeout=600,
-        env_extra={"HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1",
-                   "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", **env},
+        code,
+        cwd=tmp_path,
+        timeout=600,
+        env_extra={
+            "HF_HOME": str(tmp_path / "hf_home"),
+            "OMP_NUM_THREADS": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+            **env,
+        },
     )
     wall = time.time() - started
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -199,7 +219,10 @@ def test_remote_code_under_transformers_version(version, debug_config, batch, mi
         print(f"  {auto}: 2 steps, 8x1 vs 2x4 accumulated max|Δw| {report[auto + ':accum_diff']:.2e}")
 
     # 3. saved under that version -> loads in the package (this venv's transformers), same outputs
-    for cls, auto in ((BertImplForMaskedLM, "AutoModelForMaskedLM"), (BertImplForSequenceClassification, "AutoModelForSequenceClassification")):
+    for cls, auto in (
+        (BertImplForMaskedLM, "AutoModelForMaskedLM"),
+        (BertImplForSequenceClassification, "AutoModelForSequenceClassification"),
+    ):
         saved = tmp_path / "out" / f"saved-{auto}"
         assert json.loads((saved / "config.json").read_text())["model_type"] == "bert_impl"
         model = cls.from_pretrained(saved).eval()
@@ -263,8 +286,10 @@ def test_package_checks_the_same_floor():
 
 PACKAGE_VERSIONS = ["4.57.6", "5.0.0"]  # this venv's 5.x: tests/test_scripts.py, test_convert.py, test_hub.py
 CONVERT_TOL = 1e-5  # the conversion's float32 tolerance (tests/test_convert.py)
-PROBE_TEXTS = ["The with statement is used to wrap the execution of a block.",
-               "An assignment statement evaluates the expression list and assigns the single resulting object."]
+PROBE_TEXTS = [
+    "The with statement is used to wrap the execution of a block.",
+    "An assignment statement evaluates the expression list and assigns the single resulting object.",
+]
 
 # Appended to CHILD for the PACKAGE_VERSIONS, so that a version costs one interpreter start. It unblocks
 # hf_bert_impl and puts the repository first on sys.path, then runs the scripts through their main(argv).
@@ -328,8 +353,8 @@ report["wwm"] = {"input_ids": batch["input_ids"][0].tolist(), "labels": batch["l
 
 # 3. fine-tuning the pretrained model on the embedded statement-topic task, 2 steps, validation + test
 t = time.time()
-metrics = finetune.main(["--model_name_or_path", str(out / "mlm"), "--output_dir", str(out / "cls"), "--max_steps", "2",
-                         "--max_train_samples", "32", "--per_device_train_batch_size", "8",
+metrics = finetune.main(["--model_name_or_path", str(out / "mlm"), "--output_dir", str(out / "cls"),
+                         "--max_steps", "2", "--max_train_samples", "32", "--per_device_train_batch_size", "8",
                          "--per_device_eval_batch_size", "64", "--max_seq_length", "32", *FAST])
 steps, train_losses = losses(out / "cls")
 report["finetune"] = {"metrics": metrics, "steps": steps, "losses": train_losses, "s": time.time() - t}
@@ -341,7 +366,8 @@ with torch.no_grad():
     torch.save({"sentences": [r["sentence"] for r in rows], "logits": model(**enc).logits}, out / "cls_reloaded.pt")
 report["predictions"] = [r["prediction"] for r in rows]
 
-# 4. the model card (rendered by finish_run above), rendered and checked again; the push's dry run and its offline refusal
+# 4. the model card (rendered by finish_run above), rendered and checked again; the push's dry run and its offline
+# refusal
 card = hub.build_model_card(out / "cls")
 hub.validate_model_card(card, out / "cls")
 report["card_same_as_saved"] = str(card) == (out / "cls" / "README.md").read_text(encoding="utf-8")
@@ -360,7 +386,8 @@ tokenizer = AutoTokenizer.from_pretrained(job["minilm"])
 enc = tokenizer(job["texts"], padding=True, return_tensors="pt")
 keep = enc["attention_mask"].bool()
 original = BertModel.from_pretrained(job["minilm"]).eval()
-models = {"impl": BertImplModel.from_pretrained(out / "impl").eval(), "back": BertModel.from_pretrained(out / "back").eval()}
+models = {"impl": BertImplModel.from_pretrained(out / "impl").eval(),
+          "back": BertModel.from_pretrained(out / "back").eval()}
 with torch.no_grad():
     want = original(**enc)
     report["convert"] = {}
@@ -418,7 +445,9 @@ def _check_package_run(version, env, out, wall):
 
     # the versions promised, from the side install; the package from this repository
     hub_version = {"4.57.6": "0.36.0", "5.0.0": "1.3.0"}[version]
-    assert report["versions"]["transformers"] == version and report["versions"]["huggingface_hub"] == hub_version, report
+    assert report["versions"]["transformers"] == version and report["versions"]["huggingface_hub"] == hub_version, (
+        report
+    )
     for name, path in report["files"].items():
         assert path.startswith(env["PYTHONPATH"]), (name, path)
     assert report["package"].startswith(str(REPO_ROOT / "hf_bert_impl")), report["package"]
@@ -447,7 +476,8 @@ def _check_package_run(version, env, out, wall):
     assert any(len(w) > 1 for w in words)
     assert all(all(i in masked for i in w) or not any(i in masked for i in w) for w in words), (words, masked)
     here = language_modeling_collator(tokenizer, mlm_probability=0.5, whole_word_mask=True, seed=3)(
-        [dict(tokenizer(PROBE_TEXTS[0], return_offsets_mapping=True, return_special_tokens_mask=True))])
+        [dict(tokenizer(PROBE_TEXTS[0], return_offsets_mapping=True, return_special_tokens_mask=True))]
+    )
     assert here["labels"][0].tolist() == wwm["labels"] and here["input_ids"][0].tolist() == wwm["input_ids"]
 
     # 3. fine-tuning: finite losses and metrics; the saved classifier reloads here with that version's
@@ -471,8 +501,15 @@ def _check_package_run(version, env, out, wall):
     assert card.data.pipeline_tag == "text-classification"
     indexed = {r.metric_name: r.metric_value for r in card.data.eval_results}
     assert "eval_accuracy" in indexed and indexed == facts["metrics"], (indexed, facts["metrics"])
-    assert {"model.safetensors", "config.json", "modeling_bert_impl.py", "configuration_bert_impl.py", "README.md",
-            "tokenizer.json", "loss_curve.png"} <= set(report["upload"]), report["upload"]
+    assert {
+        "model.safetensors",
+        "config.json",
+        "modeling_bert_impl.py",
+        "configuration_bert_impl.py",
+        "README.md",
+        "tokenizer.json",
+        "loss_curve.png",
+    } <= set(report["upload"]), report["upload"]
     assert sorted(f for f in report["upload"] if f.endswith(".py")) == sorted(CODE_FILES), report["upload"]  # no more
     assert report["offline_push"].startswith("HF_HUB_OFFLINE is set"), report["offline_push"]
 
@@ -482,7 +519,10 @@ def _check_package_run(version, env, out, wall):
         assert max(diffs.values()) <= CONVERT_TOL, (name, diffs)
     assert report["convert_back_exact"] == [], report["convert_back_exact"]
 
-    print(f"  the package under {version} (huggingface_hub {hub_version}): subprocess {wall:.1f} s, of which part 2 "
-          f"{report['total_s']:.1f} s (imports {report['import_s']:.1f}, pretrain {pre['s']:.1f}, finetune {ft['s']:.1f}, "
-          f"convert {report['convert_s']:.1f}); "
-          f"conversion max|Δ| {max(max(d.values()) for d in report['convert'].values()):.1e}")
+    print(
+        f"  the package under {version} (huggingface_hub {hub_version}): subprocess {wall:.1f} s, of which part 2 "
+        f"{report['total_s']:.1f} s (imports {report['import_s']:.1f}, pretrain {pre['s']:.1f}, "
+        f"finetune {ft['s']:.1f}, "
+        f"convert {report['convert_s']:.1f}); "
+        f"conversion max|Δ| {max(max(d.values()) for d in report['convert'].values()):.1e}"
+    )

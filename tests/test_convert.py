@@ -21,6 +21,7 @@ from hf_bert_impl.convert import ARCHITECTURES, HF_TO_BERT_IMPL, JOINED_QKV, fro
 
 from .conftest import BATCH, REPO_ROOT, SEQ, VOCAB, run_without_package
 
+
 TOL = 1e-5
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 HEAD_NAMES = list(ARCHITECTURES)
@@ -29,10 +30,16 @@ HEAD_NAMES = list(ARCHITECTURES)
 def hf_config(arch="BertModel", **overrides):
     """transformers BertConfig of the debug flavour (odd sizes), dropout off, 3 named labels
     (QA needs exactly 2 outputs: start and end)."""
-    kw = dict(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64,
-    )
+    kw = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 37,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "max_position_embeddings": 64,
+    }
     if arch != "BertForQuestionAnswering":
         kw.update(id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
     if arch == "BertForSequenceClassification":
@@ -61,7 +68,7 @@ def inputs_for(arch, batch):
     Multiple choice: the first 12 rows as (4 questions, 3 choices, 7 tokens)."""
     input_ids, attention_mask, token_type_ids = batch
     g = torch.Generator().manual_seed(7)
-    x = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    x = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
     if arch in ("BertForMaskedLM", "BertForPreTraining"):
         masked = torch.rand(input_ids.shape, generator=g) < 0.3
         x["labels"] = torch.where(masked & attention_mask.bool(), input_ids, torch.full_like(input_ids, -100))
@@ -232,7 +239,9 @@ def test_to_hf_of_sinusoidal_model_equals_original(cls_name, debug_config):
     """Sinusoidal positions are written into transformers' learned table: exactly the formula, and
     the same outputs for every length up to max_position_embeddings (tested at the full length)."""
     max_pos = 16
-    config = debug_config(max_position_embeddings=max_pos, num_labels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    config = debug_config(
+        max_position_embeddings=max_pos, num_labels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()}
+    )
     assert config.position_embedding_type == "sinusoidal"
     ours = randomised(getattr(hf_bert_impl, cls_name)(config), seed=2)
     theirs = to_hf_bert(ours)
@@ -244,7 +253,11 @@ def test_to_hf_of_sinusoidal_model_equals_original(cls_name, debug_config):
     input_ids = torch.randint(1, VOCAB, (3, max_pos), generator=g)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, 10:] = 0
-    x = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=(torch.arange(max_pos) >= 5).long().expand(3, -1))
+    x = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "token_type_ids": (torch.arange(max_pos) >= 5).long().expand(3, -1),
+    }
     diffs = max_abs_diff(*run_both(ours, theirs, x))
     print(f"\nsinusoidal {cls_name} -> transformers max|Δ| {diffs}")
     assert max(diffs.values()) <= TOL, diffs
@@ -255,9 +268,17 @@ def test_config_maps_field_by_field_both_ways():
     from hf_bert_impl.convert import SHARED_CONFIG_FIELDS, bert_impl_config_from_hf, hf_config_from_bert_impl
 
     theirs = hf_config(
-        "BertForSequenceClassification", hidden_act="gelu_new", hidden_dropout_prob=0.15,
-        attention_probs_dropout_prob=0.05, max_position_embeddings=40, type_vocab_size=3, initializer_range=0.05,
-        layer_norm_eps=1e-7, pad_token_id=5, classifier_dropout=0.3, tie_word_embeddings=False,
+        "BertForSequenceClassification",
+        hidden_act="gelu_new",
+        hidden_dropout_prob=0.15,
+        attention_probs_dropout_prob=0.05,
+        max_position_embeddings=40,
+        type_vocab_size=3,
+        initializer_range=0.05,
+        layer_norm_eps=1e-7,
+        pad_token_id=5,
+        classifier_dropout=0.3,
+        tie_word_embeddings=False,
     )
     ours = bert_impl_config_from_hf(theirs)
     back = hf_config_from_bert_impl(ours)
@@ -332,7 +353,10 @@ def test_config_without_architectures(tmp_path):
         else:
             with pytest.raises(ValueError, match=r"names no `architectures` and has head weights; pass model_class="):
                 from_hf_bert(path)
-            assert type(from_hf_bert(path, model_class=hf_bert_impl.BertImplForMaskedLM)) is hf_bert_impl.BertImplForMaskedLM
+            assert (
+                type(from_hf_bert(path, model_class=hf_bert_impl.BertImplForMaskedLM))
+                is hf_bert_impl.BertImplForMaskedLM
+            )
 
 
 def save_hf(tmp_path, arch="BertModel", edit=None, **config_overrides):
@@ -376,7 +400,9 @@ def test_shape_mismatch_is_an_error(tmp_path):
     save_hf(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 40}))
-    with pytest.raises(ValueError, match=r"shape mismatch.*intermediate\.dense\.weight: checkpoint \(37, 32\) vs config \(40, 32\)"):
+    with pytest.raises(
+        ValueError, match=r"shape mismatch.*intermediate\.dense\.weight: checkpoint \(37, 32\) vs config \(40, 32\)"
+    ):
         from_hf_bert(tmp_path)
 
 
@@ -438,7 +464,9 @@ def test_switching_head_keeps_encoder_and_logs_fresh_and_dropped_keys(caplog, ba
 
 def test_switching_head_still_requires_the_whole_encoder(tmp_path):
     save_hf(tmp_path, arch="BertForTokenClassification")  # no pooler
-    with pytest.raises(ValueError, match=r"missing keys \['bert\.pooler\.dense\.bias', 'bert\.pooler\.dense\.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"missing keys \['bert\.pooler\.dense\.bias', 'bert\.pooler\.dense\.weight'\]"
+    ):
         from_hf_bert(tmp_path, model_class=hf_bert_impl.BertImplForSequenceClassification)
 
 
@@ -447,7 +475,9 @@ def test_switching_head_still_requires_the_whole_encoder(tmp_path):
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO_ROOT / "scripts" / "convert_checkpoint.py")
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint", REPO_ROOT / "scripts" / "convert_checkpoint.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -511,7 +541,9 @@ def test_script_from_hf_then_to_hf_on_debug_head(tmp_path):
     config = json.loads((impl / "config.json").read_text())
     assert config["model_type"] == "bert_impl" and config["architectures"] == ["BertImplForSequenceClassification"]
     assert config["id2label"] == {str(k): v for k, v in LABELS.items()}
-    assert {"configuration_bert_impl.py", "modeling_bert_impl.py", "model.safetensors"} <= {p.name for p in impl.iterdir()}
+    assert {"configuration_bert_impl.py", "modeling_bert_impl.py", "model.safetensors"} <= {
+        p.name for p in impl.iterdir()
+    }
     assert script.main(["--to-hf", str(impl), "--out", str(tmp_path / "back")]) == 0
     back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "back")
     assert type(back) is transformers.BertForSequenceClassification
@@ -598,11 +630,23 @@ def test_minilm_script_conversion_loads_without_package_and_pipeline_matches(min
     tokenizer, reference, _, _ = minilm
     out = tmp_path / "minilm-impl"
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "convert_checkpoint.py"), "--from-hf", str(minilm_dir), "--out", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=REPO_ROOT,
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "convert_checkpoint.py"),
+            "--from-hf",
+            str(minilm_dir),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert {"tokenizer.json", "vocab.txt", "tokenizer_config.json", "modeling_bert_impl.py"} <= {p.name for p in out.iterdir()}
+    assert {"tokenizer.json", "vocab.txt", "tokenizer_config.json", "modeling_bert_impl.py"} <= {
+        p.name for p in out.iterdir()
+    }
 
     code = PIPELINE_CHECK.format(path=str(out), sentences=SENTENCES, out=str(tmp_path / "vectors.pt"))
     proc = run_without_package(code, cwd=tmp_path, env_extra={"HF_HOME": str(tmp_path / "hf_home")})
@@ -652,8 +696,12 @@ def test_sentence_transformers_model_converts_both_ways_with_its_modules(minilm_
     assert script.main(["--from-hf", str(minilm_dir), "--out", str(ours_dir)]) == 0
     assert script.main(["--to-hf", str(ours_dir), "--out", str(back_dir)]) == 0
     for path in (ours_dir, back_dir):
-        assert {"modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"} <= {p.name for p in path.iterdir()}
-        assert (path / "1_Pooling" / "config.json").read_text() == (minilm_dir / "1_Pooling" / "config.json").read_text()
+        assert {"modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"} <= {
+            p.name for p in path.iterdir()
+        }
+        assert (path / "1_Pooling" / "config.json").read_text() == (
+            minilm_dir / "1_Pooling" / "config.json"
+        ).read_text()
     for path, remote, arch in ((ours_dir, True, "BertImplModel"), (back_dir, False, "BertModel")):
         model = SentenceTransformer(str(path), device="cpu", trust_remote_code=remote)
         assert type(model[0].auto_model).__name__ == arch
@@ -662,7 +710,9 @@ def test_sentence_transformers_model_converts_both_ways_with_its_modules(minilm_
         got = model.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
         assert torch.allclose(got.norm(dim=1), torch.ones(len(SENTENCES)), atol=1e-6)
         diff = (got - expected).abs().max().item()
-        print(f"\n{arch} via SentenceTransformer({path.name}) vs the original all-MiniLM-L6-v2 encode max|Δ| {diff:.3e}")
+        print(
+            f"\n{arch} via SentenceTransformer({path.name}) vs the original all-MiniLM-L6-v2 encode max|Δ| {diff:.3e}"
+        )
         assert diff <= 1e-6, (arch, diff)
 
 
@@ -672,7 +722,11 @@ def test_save_as_sentence_transformer_then_train_one_step(minilm_dir, minilm_st,
     SentenceTransformer, embeds as the original (whose Normalize we apply to compare), and one
     SentenceTransformerTrainer step trains it."""
     import datasets
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     from hf_bert_impl.sentence_embeddings import save_as_sentence_transformer
@@ -694,7 +748,9 @@ def test_save_as_sentence_transformer_then_train_one_step(minilm_dir, minilm_st,
     print(f"\nsave_as_sentence_transformer (mean pooling) + L2 norm vs the original encode max|Δ| {diff:.3e}")
     assert diff <= 1e-6, diff
 
-    normalised = save_as_sentence_transformer(head, tokenizer, tmp_path / "st-norm", normalize=True, max_seq_length=256)
+    normalised = save_as_sentence_transformer(
+        head, tokenizer, tmp_path / "st-norm", normalize=True, max_seq_length=256
+    )
     assert normalised.max_seq_length == 256
     assert (normalised.encode(SENTENCES, convert_to_tensor=True) - expected).abs().max().item() <= 1e-6
     with pytest.raises(ValueError, match="pooling must be one of"):
@@ -703,8 +759,14 @@ def test_save_as_sentence_transformer_then_train_one_step(minilm_dir, minilm_st,
     pairs = datasets.Dataset.from_dict({"anchor": SENTENCES[:4], "positive": SENTENCES[2:6]})
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "train"), max_steps=1, per_device_train_batch_size=4, learning_rate=1e-3,
-        report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        output_dir=str(tmp_path / "train"),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
     )
     trainer = SentenceTransformerTrainer(
         model=model, args=args, train_dataset=pairs, loss=MultipleNegativesRankingLoss(model)
@@ -715,4 +777,6 @@ def test_save_as_sentence_transformer_then_train_one_step(minilm_dir, minilm_st,
     assert moved > 1e-5, moved
     model.save(str(tmp_path / "trained"))
     again = SentenceTransformer(str(tmp_path / "trained"), device="cpu", trust_remote_code=True)
-    assert torch.equal(again.encode(SENTENCES, convert_to_tensor=True), model.encode(SENTENCES, convert_to_tensor=True))
+    assert torch.equal(
+        again.encode(SENTENCES, convert_to_tensor=True), model.encode(SENTENCES, convert_to_tensor=True)
+    )

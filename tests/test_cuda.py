@@ -81,8 +81,13 @@ ATOL = 1e-5
 FLASH = ON_CUDA and is_flash_attn_2_available()
 LAYOUTS = ["full", "padded", "mixed", "packed"]
 SPEEDS = ["kernelized", "plain"]  # kernelize(model) (the scripts' model), or the model file alone
-BF16_BACKENDS = ["sdpa", pytest.param("flash_attention_2", marks=pytest.mark.skipif(
-    not FLASH, reason="flash_attention_2: needs CUDA and an importable flash-attn"))]
+BF16_BACKENDS = [
+    "sdpa",
+    pytest.param(
+        "flash_attention_2",
+        marks=pytest.mark.skipif(not FLASH, reason="flash_attention_2: needs CUDA and an importable flash-attn"),
+    ),
+]
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(DEVICE is None, reason=_SKIP_REASON)]
 
@@ -102,8 +107,13 @@ def exact_float32():
 
 
 def hf_config(arch="BertModel", **overrides):
-    kw = dict(vocab_size=VOCAB, max_position_embeddings=MAX_POS, hidden_dropout_prob=0.0,
-              attention_probs_dropout_prob=0.0, **SIZE_PRESETS[PRESET])
+    kw = dict(
+        vocab_size=VOCAB,
+        max_position_embeddings=MAX_POS,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **SIZE_PRESETS[PRESET],
+    )
     if arch != "BertForQuestionAnswering":  # QA has exactly two outputs (start, end)
         kw["num_labels"] = 3
     kw.update(overrides)
@@ -161,11 +171,11 @@ def make_inputs(layout, seed=0, b=BATCH, s=SEQ):
     types = (torch.arange(s)[None, :] >= (n // 2)[:, None]).long() * mask
     to = lambda d: {k: v.to(DEVICE) for k, v in d.items()}  # noqa: E731
     if layout != "packed":
-        padded = to(dict(input_ids=ids, attention_mask=mask, token_type_ids=types))
+        padded = to({"input_ids": ids, "attention_mask": mask, "token_type_ids": types})
         return padded, padded
     packed = DataCollatorWithFlattening()([{"input_ids": ids[i, :k].tolist()} for i, k in enumerate(lengths)])
     assert packed["input_ids"].shape == (1, sum(lengths))
-    return to({k: packed[k] for k in ("input_ids", "position_ids")}), to(dict(input_ids=ids, attention_mask=mask))
+    return to({k: packed[k] for k in ("input_ids", "position_ids")}), to({"input_ids": ids, "attention_mask": mask})
 
 
 def real_tokens(t, inputs):
@@ -202,7 +212,8 @@ def grad_diffs(hf, ours):
     """{our parameter: max |our grad - transformers' grad| / max(1, max |transformers' grad|)};
     transformers' gradients go through the converter's key table (Q, K, V joined into Wqkv)."""
     hf_grads, _ = convert_hf_state_dict(
-        {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}, hf.config.num_hidden_layers,
+        {k: p.grad for k, p in hf.named_parameters() if p.grad is not None},
+        hf.config.num_hidden_layers,
         tied=hf.config.tie_word_embeddings,
     )
     prefix = "bert." if isinstance(ours, BertImplModel) else ""
@@ -241,9 +252,10 @@ def test_encoder_matches_transformers_float32(backend, layout, speed, monkeypatc
     assert got.last_hidden_state.device.type == DEVICE.type
     unpadded = speed == "kernelized" and layout in ("padded", "mixed") and takes_unpadded(backend)
     assert packed_rows == (unpadded or layout == "packed"), "kernelized padded batches take the unpadded path here"
-    diffs = [(real_tokens(a, ours_in) - real_tokens(b, hf_in)).abs().max().item()
-             for a, b in zip(got.hidden_states + (fast.last_hidden_state,),
-                             want.hidden_states + (want.last_hidden_state,))]
+    diffs = [
+        (real_tokens(a, ours_in) - real_tokens(b, hf_in)).abs().max().item()
+        for a, b in zip(got.hidden_states + (fast.last_hidden_state,), want.hidden_states + (want.last_hidden_state,))
+    ]
     if layout != "packed":  # a packed row has one [CLS] position for many sequences: no pooler to compare
         diffs.append((got.pooler_output - want.pooler_output).abs().max().item())
     print(f"\n[{DEVICE.type} {backend} {layout} {speed}] float32 max|diff| per layer {['%.1e' % d for d in diffs]}")
@@ -272,8 +284,10 @@ def test_encoder_bf16_within_3x_transformers_error(backend, layout, mode, speed)
     assert got.dtype == torch.float32 and got.shape == reference.shape
     err_hf = (theirs - reference).abs().max().item()
     err_ours = (got - reference).abs().max().item()
-    print(f"\n[{DEVICE.type} {backend} {layout} {mode} {speed}] max|bf16 - fp32|: ours {err_ours:.3e}, "
-          f"transformers {err_hf:.3e}")
+    print(
+        f"\n[{DEVICE.type} {backend} {layout} {mode} {speed}] max|bf16 - fp32|: ours {err_ours:.3e}, "
+        f"transformers {err_hf:.3e}"
+    )
     assert err_hf > 0, "transformers' bf16 run equals float32: bf16 did not run"
     assert err_ours <= 3 * err_hf, f"ours {err_ours:.3e} > 3 x transformers' {err_hf:.3e}"
 
@@ -283,8 +297,13 @@ class _HostReads(TorchDispatchMode):
     accelerator (a scalar read, ops whose output size depends on the values: nonzero, masked_select, unique,
     repeat_interleave without output_size); `Tensor.tolist` is counted apart. nonzero_static is no sync."""
 
-    SIZE_FROM_VALUES = ("aten.nonzero.default", "aten.masked_select.default", "aten._unique2.default",
-                        "aten.unique_dim.default", "aten.unique_consecutive.default")
+    SIZE_FROM_VALUES = (
+        "aten.nonzero.default",
+        "aten.masked_select.default",
+        "aten._unique2.default",
+        "aten.unique_dim.default",
+        "aten.unique_consecutive.default",
+    )
 
     def __init__(self):
         super().__init__()
@@ -293,8 +312,12 @@ class _HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func)
-        if not self.paused and (name == "aten._local_scalar_dense.default" or name in self.SIZE_FROM_VALUES
-                                or name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None):
+        if not self.paused and (
+            name == "aten._local_scalar_dense.default"
+            or name in self.SIZE_FROM_VALUES
+            or name == "aten.repeat_interleave.Tensor"
+            and kwargs.get("output_size") is None
+        ):
             self.reads.append(name)
         return func(*args, **kwargs)
 
@@ -314,6 +337,7 @@ def _cpu_host_reads(model, inputs, monkeypatch) -> list[str]:
                 return fn(*args, **kwargs)
             finally:
                 mode.paused = False
+
         return run
 
     tolist = torch.Tensor.tolist
@@ -435,8 +459,10 @@ def test_every_head_forward_backward_matches_transformers_float32(arch, speed):
     out_diff = (outputs_at_real_tokens(out_ours, x) - outputs_at_real_tokens(out_hf, x)).abs().max().item()
     loss_diff = abs(loss_ours.item() - loss_hf.item())
     name, grad_diff = worst(grad_diffs(hf, ours))
-    print(f"\n[{DEVICE.type} {arch} {speed}] max|diff|: outputs {out_diff:.1e}, loss {loss_diff:.1e}, "
-          f"gradients {grad_diff:.1e} ({name})")
+    print(
+        f"\n[{DEVICE.type} {arch} {speed}] max|diff|: outputs {out_diff:.1e}, loss {loss_diff:.1e}, "
+        f"gradients {grad_diff:.1e} ({name})"
+    )
     assert out_diff <= ATOL and loss_diff <= ATOL * max(1.0, abs(loss_hf.item()))
     assert grad_diff <= ATOL, (name, grad_diff)
 
@@ -522,8 +548,10 @@ def test_compile_dynamic_inference_no_recompile_across_lengths(fresh_dynamo, spe
         diffs.append((real_tokens(got, x) - real_tokens(want, x)).abs().max().item())
         if i == 0:  # any later compile is a recompile: make it an error
             fresh_dynamo.enter_context(torch._dynamo.config.patch(error_on_recompile=True))
-    print(f"\n[{DEVICE.type} compile {COMPILE_BACKEND} {speed}] max|diff| vs transformers per shape "
-          f"{['%.1e' % d for d in diffs]}")
+    print(
+        f"\n[{DEVICE.type} compile {COMPILE_BACKEND} {speed}] max|diff| vs transformers per shape "
+        f"{['%.1e' % d for d in diffs]}"
+    )
     assert max(diffs) <= ATOL, diffs
     assert fresh_dynamo.counters["stats"]["unique_graphs"] == 1 and not fresh_dynamo.counters["graph_break"]
 
@@ -544,8 +572,10 @@ def test_compile_dynamic_training_step_no_recompile(fresh_dynamo):
         want = hf(**x).loss
         want.backward()
         name, grad_diff = worst(grad_diffs(hf, ours))
-        print(f"\n[{DEVICE.type} compile {COMPILE_BACKEND} {speed} train {b}x{s}] loss diff "
-              f"{abs(loss.item() - want.item()):.1e}, gradients {grad_diff:.1e} ({name})")
+        print(
+            f"\n[{DEVICE.type} compile {COMPILE_BACKEND} {speed} train {b}x{s}] loss diff "
+            f"{abs(loss.item() - want.item()):.1e}, gradients {grad_diff:.1e} ({name})"
+        )
         assert abs(loss.item() - want.item()) <= ATOL * max(1.0, abs(want.item()))
         assert grad_diff <= ATOL, (name, grad_diff)
         if i == 0:
@@ -572,10 +602,14 @@ def test_gradient_checkpointing_matches_transformers(layout, monkeypatch):
     # both of our models took the unpadded path where the table says so (checkpointing recomputes each layer only)
     assert len(calls) == (2 if takes_unpadded("sdpa", training=True) else 0), calls
     name, vs_hf = worst(grad_diffs(hf, ours))
-    vs_unchecked = max((p.grad - q.grad).abs().max().item() / max(1.0, q.grad.abs().max().item())
-                       for p, q in zip(ours.parameters(), unchecked.parameters()))
-    print(f"\n[{DEVICE.type} checkpointing {layout}] gradients vs transformers {vs_hf:.1e} ({name}), "
-          f"vs no checkpointing {vs_unchecked:.1e}")
+    vs_unchecked = max(
+        (p.grad - q.grad).abs().max().item() / max(1.0, q.grad.abs().max().item())
+        for p, q in zip(ours.parameters(), unchecked.parameters())
+    )
+    print(
+        f"\n[{DEVICE.type} checkpointing {layout}] gradients vs transformers {vs_hf:.1e} ({name}), "
+        f"vs no checkpointing {vs_unchecked:.1e}"
+    )
     assert vs_hf <= ATOL and vs_unchecked <= ATOL
 
 
@@ -599,13 +633,25 @@ def test_trainer_bf16_losses_match_transformers(tmp_path):
         for bf16 in (False, True):
             model = copy.deepcopy(model0).float()
             args = TrainingArguments(
-                output_dir=str(tmp_path / f"{tag}{bf16}"), per_device_train_batch_size=b, max_steps=steps,
-                learning_rate=1e-3, warmup_steps=1, optim="adamw_torch", bf16=bf16, use_cpu=not ON_CUDA,
-                logging_steps=1, report_to="none", save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
+                output_dir=str(tmp_path / f"{tag}{bf16}"),
+                per_device_train_batch_size=b,
+                max_steps=steps,
+                learning_rate=1e-3,
+                warmup_steps=1,
+                optim="adamw_torch",
+                bf16=bf16,
+                use_cpu=not ON_CUDA,
+                logging_steps=1,
+                report_to="none",
+                save_strategy="no",
+                seed=0,
+                data_seed=0,
+                disable_tqdm=True,
                 dataloader_num_workers=0,
             )
-            trainer = Trainer(model=model, args=args, train_dataset=ListDataset(rows),
-                              data_collator=default_data_collator)
+            trainer = Trainer(
+                model=model, args=args, train_dataset=ListDataset(rows), data_collator=default_data_collator
+            )
             trainer.train()
             assert next(model.parameters()).device.type == DEVICE.type
             losses[tag, bf16] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -615,9 +661,11 @@ def test_trainer_bf16_losses_match_transformers(tmp_path):
     # bf16 deviation as the mean over the steps: the max of a few steps is one noisy draw
     err_hf = sum(abs(a - c) for a, c in zip(losses["transformers", True], ref)) / steps
     err_ours = sum(abs(a - c) for a, c in zip(losses["ours", True], ref)) / steps
-    print(f"\n[{DEVICE.type} Trainer] float32 max|loss diff| {fp32:.2e}; bf16 vs float32 (mean |diff|): "
-          f"ours {err_ours:.2e}, "
-          f"transformers {err_hf:.2e}; losses {losses}")
+    print(
+        f"\n[{DEVICE.type} Trainer] float32 max|loss diff| {fp32:.2e}; bf16 vs float32 (mean |diff|): "
+        f"ours {err_ours:.2e}, "
+        f"transformers {err_hf:.2e}; losses {losses}"
+    )
     assert max(ref) - min(ref) > 10 * ATOL, f"a flat loss curve proves little: {ref}"
     assert fp32 <= 1e-4, losses
     assert err_hf > 0 and err_ours <= 3 * err_hf, losses

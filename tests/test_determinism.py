@@ -22,7 +22,7 @@ from hf_bert_impl.data import SPECIAL_TOKENS, default_corpus_dataset, train_word
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 99
 # Dropout on, so the runs also have to reproduce the dropout masks.
-CONFIG = dict(vocab_size=VOCAB, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+CONFIG = {"vocab_size": VOCAB, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
 
 
 def init_model(seed):
@@ -49,8 +49,9 @@ def test_same_seed_same_initial_weights_bit_for_bit():
         "print(t.weights_digest(t.init_model(7)))"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=240)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == weights_digest(a)
 
@@ -63,8 +64,9 @@ class RecordingTrainer(Trainer):
         self.step_losses = []
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        loss = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
         self.step_losses.append((loss[0] if return_outputs else loss).detach().item())
         return loss
 
@@ -74,8 +76,9 @@ def tiny_mlm_data(n=48, seq=7):
     ids = torch.randint(1, VOCAB, (n, seq), generator=g)
     labels = torch.where(torch.rand(n, seq, generator=g) < 0.3, ids, torch.full_like(ids, -100))
     mask = (torch.arange(seq)[None, :] < torch.randint(3, seq + 1, (n, 1), generator=g)).long()
-    return Dataset.from_dict(dict(input_ids=(ids * mask).tolist(), attention_mask=mask.tolist(),
-                                  labels=labels.tolist()))
+    return Dataset.from_dict(
+        {"input_ids": (ids * mask).tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()}
+    )
 
 
 def train_steps(seed, out_dir, steps=10, kernels=None):
@@ -83,8 +86,17 @@ def train_steps(seed, out_dir, steps=10, kernels=None):
     if kernels is not None:
         assert kernelized(kernelize(model, kernels))
     args = TrainingArguments(
-        output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3, seed=seed,
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(out_dir),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        seed=seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     trainer = RecordingTrainer(model=model, args=args, train_dataset=tiny_mlm_data())
     trainer.train()
@@ -124,8 +136,12 @@ def test_the_wordpiece_tokenizer_is_the_same_on_every_run():
     library = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     library.normalizer = normalizers.BertNormalizer(lowercase=True)
     library.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    library.train_from_iterator(texts, trainers.WordPieceTrainer(
-        vocab_size=4000, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False))
+    library.train_from_iterator(
+        texts,
+        trainers.WordPieceTrainer(
+            vocab_size=4000, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False
+        ),
+    )
 
     def characters(v):
         return {t for t in v if len(t.removeprefix("##")) == 1}

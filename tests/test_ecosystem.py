@@ -111,8 +111,10 @@ def check_merge(name, model, lora_config, x, expected_names) -> float:
     """LoRA exactly on `expected_names`, adapters that move the output, and after merging only plain nn.Linear
     modules; returns max |merged - unmerged| of the logits."""
     names, gap, moved, merged_model = merge_gap(model, lora_config, x)
-    print(f"{name}: LoRA on {len(names)} modules {sorted({n.split('.')[-1] for n in names})}: "
-          f"|merged - unmerged| = {gap:.2e}, |LoRA - base| = {moved:.2e}")
+    print(
+        f"{name}: LoRA on {len(names)} modules {sorted({n.split('.')[-1] for n in names})}: "
+        f"|merged - unmerged| = {gap:.2e}, |LoRA - base| = {moved:.2e}"
+    )
     assert sorted(names) == sorted(expected_names), name
     assert moved > 1e-3, f"{name}: the adapters do not change the output ({moved:.2e}); the merge check would be empty"
     assert not lora_layers(merged_model)
@@ -131,7 +133,7 @@ def assert_merge_gaps(gaps: dict[str, float], strict: bool) -> None:
 
 @pytest.mark.parametrize("arch", ["BertForSequenceClassification", "BertForMaskedLM"])
 def test_lora_all_linear_merges_exactly(arch, batch):
-    """"all-linear" adapts every nn.Linear but the output embeddings (the MLM decoder), in ours as in transformers':
+    """ "all-linear" adapts every nn.Linear but the output embeddings (the MLM decoder), in ours as in transformers':
     per layer Wqkv, attn.Wo, mlp.Wi, mlp.Wo (transformers: query, key, value, attention.output.dense,
     intermediate.dense, output.dense), plus the head's (pooler.dense and classifier, or lm_head.dense)."""
     hf = hf_model(arch)
@@ -191,8 +193,9 @@ def test_lora_default_target_modules_work_as_for_bert(batch):
     x = inputs_for(arch, batch)
     assert LORA_DEFAULT_TARGETS["bert"] == ["query", "value"]
     hf_expected = [n for n in linear_names(hf) if n.endswith(("self.query", "self.value"))]
-    gaps = {"transformers": check_merge("transformers default", hf, peft.LoraConfig(r=4, lora_alpha=8), x,
-                                        hf_expected)}
+    gaps = {
+        "transformers": check_merge("transformers default", hf, peft.LoraConfig(r=4, lora_alpha=8), x, hf_expected)
+    }
     ours_expected = [n for n in linear_names(ours) if n.endswith(".attn.Wqkv")]
     assert len(ours_expected) == LAYERS
     gaps["ours"] = check_merge("ours default", ours, peft.LoraConfig(r=4, lora_alpha=8), x, ours_expected)
@@ -203,8 +206,9 @@ def test_lora_default_target_modules_work_as_for_bert(batch):
 # torch.ao dynamic quantization
 
 
-@pytest.mark.parametrize("arch,per_layer,head", [("BertModel", (6, 4), 1),
-                                                 ("BertForSequenceClassification", (6, 4), 2)])
+@pytest.mark.parametrize(
+    "arch,per_layer,head", [("BertModel", (6, 4), 1), ("BertForSequenceClassification", (6, 4), 2)]
+)
 def test_quantize_dynamic_quantizes_every_linear_with_the_error_of_transformers(arch, per_layer, head, batch):
     """Every nn.Linear becomes a dynamically quantized int8 linear: transformers' 6 per layer (query, key, value,
     attention output, intermediate, output) + the head's, ours 4 per layer (Wqkv, attn.Wo, mlp.Wi, mlp.Wo) + the head's
@@ -274,10 +278,14 @@ def test_openvino_converts_the_plain_model(which, batch, openvino):
             eager = model(**x)
         assert len(outputs) == 2, [port.get_names() for port in compiled.outputs]
         real = x["attention_mask"].bool()
-        gaps = ((outputs[0][real] - eager.last_hidden_state[real]).abs().max().item(),
-                (outputs[1] - eager.pooler_output).abs().max().item())
-        print(f"{which} {tuple(x['input_ids'].shape)}: |openvino - eager| = {gaps[0]:.2e} (last_hidden_state), "
-              f"{gaps[1]:.2e} (pooler_output)")
+        gaps = (
+            (outputs[0][real] - eager.last_hidden_state[real]).abs().max().item(),
+            (outputs[1] - eager.pooler_output).abs().max().item(),
+        )
+        print(
+            f"{which} {tuple(x['input_ids'].shape)}: |openvino - eager| = {gaps[0]:.2e} (last_hidden_state), "
+            f"{gaps[1]:.2e} (pooler_output)"
+        )
         assert max(gaps) <= OPENVINO_TOL, (which, gaps)
 
 
@@ -292,12 +300,16 @@ class BertImplModelTester:
 
     def __init__(self, head, batch):
         self.head = head
-        kw = {} if head.hf_class == "BertForQuestionAnswering" else {
-            "id2label": LABELS, "label2id": {v: k for k, v in LABELS.items()}}
+        kw = (
+            {}
+            if head.hf_class == "BertForQuestionAnswering"
+            else {"id2label": LABELS, "label2id": {v: k for k, v in LABELS.items()}}
+        )
         if head.hf_class == "BertForSequenceClassification":
             kw["problem_type"] = "single_label_classification"
-        self.config = BertImplConfig.from_preset("debug", vocab_size=VOCAB, hidden_dropout_prob=0.0,
-                                                 attention_probs_dropout_prob=0.0, **kw)
+        self.config = BertImplConfig.from_preset(
+            "debug", vocab_size=VOCAB, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw
+        )
         torch.manual_seed(0)
         self.model = getattr(hf_bert_impl, head.name)(self.config).eval()
         self.control = getattr(transformers, head.hf_class)(hf_config(head.hf_class)).eval()
@@ -427,7 +439,9 @@ def test_minilm_golden_values(minilm_dir):
         gap = max((a - g).abs().max().item() for a, g in zip(logged, golden))
         print(f"{name}: max |Δ| to the logged values = {gap:.2e}")
         assert gap <= GOLDEN_TOL, (name, logged)
-    live_gap = max((got.last_hidden_state - live.last_hidden_state).abs().max().item(),
-                   (got.pooler_output - live.pooler_output).abs().max().item())
+    live_gap = max(
+        (got.last_hidden_state - live.last_hidden_state).abs().max().item(),
+        (got.pooler_output - live.pooler_output).abs().max().item(),
+    )
     print(f"ours vs transformers: max |Δ| = {live_gap:.2e}")
     assert live_gap <= LIVE_TOL

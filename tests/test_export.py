@@ -47,8 +47,12 @@ def assert_matches(model, run, inputs, atol):
 
 @pytest.mark.parametrize(
     "cls,position",
-    [(BertImplModel, "sinusoidal"), (BertImplModel, "learned"), (BertImplForSequenceClassification, "sinusoidal"),
-     (BertImplForMaskedLM, "learned")],
+    [
+        (BertImplModel, "sinusoidal"),
+        (BertImplModel, "learned"),
+        (BertImplForSequenceClassification, "sinusoidal"),
+        (BertImplForMaskedLM, "learned"),
+    ],
     ids=lambda v: getattr(v, "__name__", v),
 )
 def test_torch_export_dynamic_batch_and_sequence(cls, position, debug_config):
@@ -104,8 +108,10 @@ def test_onnx_export_matches_onnxruntime_at_two_lengths(cls, position, debug_con
     assert {r["sequence"] for r in rows} == {5, 23} and {r["output"] for r in rows} == set(names)
     for r in rows:
         assert r["max_abs_diff"] <= 1e-4 and r["real_token_diff"] <= 1e-4, r
-        print(f"{cls.__name__} {position} seq {r['sequence']} {r['output']}: all {r['max_abs_diff']:.2e} "
-              f"real {r['real_token_diff']:.2e}")
+        print(
+            f"{cls.__name__} {position} seq {r['sequence']} {r['output']}: all {r['max_abs_diff']:.2e} "
+            f"real {r['real_token_diff']:.2e}"
+        )
 
 
 def test_export_onnx_command(debug_config, tmp_path, capsys, minilm_dir):
@@ -146,8 +152,9 @@ def test_export_openvino_command_serves_the_model_in_openvino(debug_config, tmp_
     assert "openvino matches torch" in printed and "max |openvino - torch|" in printed, printed
     written = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("openvino_model"))
     assert written == ["openvino_model.bin", "openvino_model.xml"]
-    compiled = openvino.Core().compile_model(str(tmp_path / "ckpt" / "openvino_model.xml"), "CPU",
-                                             {"INFERENCE_PRECISION_HINT": "f32"})
+    compiled = openvino.Core().compile_model(
+        str(tmp_path / "ckpt" / "openvino_model.xml"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+    )
     inputs = export_onnx.sample_inputs(model, 5, 11, seed=7)
     logits = torch.from_numpy(compiled({k: v.numpy() for k, v in inputs.items()})[compiled.outputs[0]])
     with torch.no_grad():
@@ -183,8 +190,20 @@ def test_plot_attention_command_draws_real_probabilities(debug_config, tmp_path,
     assert probs.shape == (2, 4, len(tokens), len(tokens))
     torch.testing.assert_close(probs, torch.stack([a[0] for a in expected]), atol=0, rtol=0)
 
-    argv = ["--model", str(tmp_path / "ckpt"), "--tokenizer", str(minilm_dir), "--text", "A tiny test sentence.",
-            "--out", str(tmp_path / "att.png"), "--pe_out", str(tmp_path / "pe.png"), "--pe_positions", "40"]
+    argv = [
+        "--model",
+        str(tmp_path / "ckpt"),
+        "--tokenizer",
+        str(minilm_dir),
+        "--text",
+        "A tiny test sentence.",
+        "--out",
+        str(tmp_path / "att.png"),
+        "--pe_out",
+        str(tmp_path / "pe.png"),
+        "--pe_positions",
+        "40",
+    ]
     assert plot_attention.main(argv) == 0
     for png in ("att.png", "pe.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -104,8 +104,12 @@ def test_multihead_matches_seed_reference(debug_config, batch, backend):
     w_q, w_k, w_v = ours.Wqkv.weight.chunk(3, dim=0)
     b_q, b_k, b_v = ours.Wqkv.bias.chunk(3, dim=0)
     with torch.no_grad():
-        pairs = ((seed.W_q, w_q, b_q), (seed.W_k, w_k, b_k), (seed.W_v, w_v, b_v),
-                 (seed.W_o, ours.Wo.weight, ours.Wo.bias))
+        pairs = (
+            (seed.W_q, w_q, b_q),
+            (seed.W_k, w_k, b_k),
+            (seed.W_v, w_v, b_v),
+            (seed.W_o, ours.Wo.weight, ours.Wo.bias),
+        )
         for lin, w, bias in pairs:
             lin.weight.copy_(w)
             lin.bias.copy_(bias)
@@ -208,8 +212,9 @@ def test_pretraining_loss_matches_hand_computation(debug_config):
     nsp_labels = torch.tensor([0, 1, 1])
     with torch.no_grad():
         out = model(input_ids, labels=labels, next_sentence_label=nsp_labels)
-        out_items = model(input_ids, labels=labels, next_sentence_label=nsp_labels,
-                          num_items_in_batch=torch.tensor(10))
+        out_items = model(
+            input_ids, labels=labels, next_sentence_label=nsp_labels, num_items_in_batch=torch.tensor(10)
+        )
 
     def nll(row, target):  # -log softmax(row)[target], Python floats
         return -(row[target] - math.log(sum(math.exp(z) for z in row)))

@@ -53,8 +53,12 @@ def _gloo_missing() -> str | None:
 
 
 def _torchrun(script, *args, **kwargs) -> subprocess.CompletedProcess:  # 2 processes on this machine, output kept
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script), *args], capture_output=True, text=True, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *args],
+        capture_output=True,
+        text=True,
+        **kwargs,
+    )
 
 
 def _crash_signal(proc: subprocess.CompletedProcess) -> str | None:
@@ -84,8 +88,9 @@ def fsdp(tmp_path_factory):
     proc = launch()
     crash = _crash_signal(proc)
     if crash:  # the process died, no check failed: once more, the crash reported (module docstring)
-        warnings.warn(f"an FSDP worker died of {crash}; relaunched once. Its output:\n{proc.stderr[-8000:]}",
-                      stacklevel=1)
+        warnings.warn(
+            f"an FSDP worker died of {crash}; relaunched once. Its output:\n{proc.stderr[-8000:]}", stacklevel=1
+        )
         proc = launch()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads((out / "results.json").read_text())
@@ -106,8 +111,10 @@ def test_fsdp2_training_equals_one_process(fsdp, name):
     assert r["single_moved"] > 100 * FP32_TOL, r["single_moved"]
     assert len(r["fsdp_losses"]) == len(r["single_losses"]) == 3
     loss_diffs = [abs(a - b) for a, b in zip(r["fsdp_losses"], r["single_losses"])]
-    print(f"\n[{name}] max |loss diff| {max(loss_diffs):.2e}, gradient {r['grad_vs_single']:.2e} (relative), "
-          f"max |weight diff| {r['weights_vs_single']:.2e} ({r['weights_vs_single_where']})")
+    print(
+        f"\n[{name}] max |loss diff| {max(loss_diffs):.2e}, gradient {r['grad_vs_single']:.2e} (relative), "
+        f"max |weight diff| {r['weights_vs_single']:.2e} ({r['weights_vs_single_where']})"
+    )
     assert max(loss_diffs) <= FP32_TOL, (r["fsdp_losses"], r["single_losses"])
     assert r["grad_vs_single"] <= FP32_TOL
     assert r["weights_vs_single"] <= FP32_TOL
@@ -163,9 +170,11 @@ def test_bf16_mixed_precision_policy(fsdp):
     assert r["layer0_input"][1] == "torch.bfloat16"
     plain_grad, grad = r["plain_bf16_grad_error"], r["grad_vs_single"]
     plain_loss_error = abs(r["plain_bf16_loss"] - r["single_losses"][0])
-    print(f"\n[bf16] gradient error {grad:.2e} (bf16 in one process: {plain_grad:.2e}); loss errors "
-          f"{[round(abs(a - b), 6) for a, b in zip(r['fsdp_losses'], r['single_losses'])]}; "
-          f"update error {r['update_vs_single']:.3f}")
+    print(
+        f"\n[bf16] gradient error {grad:.2e} (bf16 in one process: {plain_grad:.2e}); loss errors "
+        f"{[round(abs(a - b), 6) for a, b in zip(r['fsdp_losses'], r['single_losses'])]}; "
+        f"update error {r['update_vs_single']:.3f}"
+    )
     assert 0 < grad <= 3 * plain_grad
     for fsdp_loss, single_loss in zip(r["fsdp_losses"], r["single_losses"]):
         assert abs(fsdp_loss - single_loss) <= 3 * max(plain_loss_error, 2**-9 * abs(single_loss))
@@ -180,8 +189,10 @@ def test_embeddings_apart_from_the_tied_decoder_is_refused(fsdp):
     assert fsdp["embeddings_apart_error"], "embeddings sharded apart from the tied decoder trained: update the docs"
 
 
-@pytest.mark.parametrize("ending, signal_name", [("os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
-                                                 ("raise AssertionError('a failed check')", None)])
+@pytest.mark.parametrize(
+    "ending, signal_name",
+    [("os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"), ("raise AssertionError('a failed check')", None)],
+)
 def test_only_a_crashed_worker_is_relaunched(tmp_path, ending, signal_name):
     """The relaunch rule's reading of torchrun's real summary: rank 1 dies of SIGSEGV -> "SIGSEGV" (relaunched);
     rank 1 raises -> None (the failure stands)."""

@@ -14,14 +14,16 @@ import pytest
 
 from .conftest import REPO_ROOT
 
+
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check.sh"
 
 
 def run_check(*args, timeout=420):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_BERT_IMPL_TEST_DEVICE")}
     env["PYTHON"] = sys.executable
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,9 @@ def test_dry_run_benchmarks_both_lengths_in_bf16_with_checks_and_targets(dry_run
         assert set(sdpa["workloads"]) == {"fixed", "mixed", "mlm", "mlm_dense"}
         assert run["matmul_peak_flops"]["best"] > 0
     rows = result["targets"]
-    assert {(r["seq_len"], r["workload"]) for r in rows} == {(int(n), w) for n in lengths for w in ("fixed", "mixed", "mlm", "mlm_dense")}
+    assert {(r["seq_len"], r["workload"]) for r in rows} == {
+        (int(n), w) for n in lengths for w in ("fixed", "mixed", "mlm", "mlm_dense")
+    }
     assert all(r["ratio"] > 0 and 0 < r["mfu_ours"] and r["met"] == (r["ratio"] >= r["target"]) for r in rows)
     assert "targets are the GPU proof's" in stdout
 
@@ -84,8 +88,15 @@ def test_dry_run_records_the_fsdp_command_and_skips_it_without_cuda(dry_run):
     result, stdout = dry_run
     fsdp = result["fsdp"]
     assert "CUDA only" in fsdp["skipped"] and "fsdp: CUDA only" in stdout
-    for flag in ("--num_processes 1", "--use_fsdp", "--fsdp_version 2", "--fsdp_transformer_layer_cls_to_wrap BertImplLayer",
-                 "scripts/pretrain_mlm.py", "--max_steps 20", "--bf16"):
+    for flag in (
+        "--num_processes 1",
+        "--use_fsdp",
+        "--fsdp_version 2",
+        "--fsdp_transformer_layer_cls_to_wrap BertImplLayer",
+        "scripts/pretrain_mlm.py",
+        "--max_steps 20",
+        "--bf16",
+    ):
         assert flag in fsdp["command"], (flag, fsdp["command"])
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     try:
@@ -98,11 +109,17 @@ def test_dry_run_records_the_fsdp_command_and_skips_it_without_cuda(dry_run):
     assert gpu_check.fsdp_problems({**ok, "returncode": 1}) and gpu_check.fsdp_problems({**ok, "reload": "failed: x"})
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--device", "tpu", "--json", "x.json"], "--device must be cuda or cpu, got 'tpu'"),
-    (["--device", "cpu"], "the following arguments are required: --json"),
-    (["--device", "cpu", "--json", "x.json", "--only", "speed"], "--only must be all, tests, benchmark or fsdp, got 'speed'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--device", "tpu", "--json", "x.json"], "--device must be cuda or cpu, got 'tpu'"),
+        (["--device", "cpu"], "the following arguments are required: --json"),
+        (
+            ["--device", "cpu", "--json", "x.json", "--only", "speed"],
+            "--only must be all, tests, benchmark or fsdp, got 'speed'",
+        ),
+    ],
+)
 def test_bad_arguments_are_one_line_errors_with_exit_2(args, message):
     proc = run_check(*args, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -121,6 +138,12 @@ def test_cuda_requested_without_a_gpu_is_an_error(tmp_path):
 
 def test_missing_interpreter_is_an_error(tmp_path):
     env = {**os.environ, "PYTHON": str(tmp_path / "no-python")}
-    proc = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--json", "x.json"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--device", "cpu", "--json", "x.json"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and f"no Python interpreter '{tmp_path / 'no-python'}'" in proc.stderr

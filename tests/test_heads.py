@@ -8,8 +8,8 @@ from transformers import BertConfig
 from transformers.pipelines import SUPPORTED_TASKS
 
 import hf_bert_impl
-from hf_bert_impl.heads import HEAD_TABLE
 from hf_bert_impl.convert import ARCHITECTURES
+from hf_bert_impl.heads import HEAD_TABLE
 from hf_bert_impl.hub import HEAD_INFO, PIPELINE_HEAD, PIPELINE_TAGS
 
 
@@ -31,7 +31,8 @@ def test_every_listing_is_read_off_the_table():
     names = [head.name for head in HEAD_TABLE]
     assert len(set(names)) == len(names) == 8
     assert {f"modeling_bert_impl.{n}" for n in names} == set(hf_bert_impl.AUTO_MAP.values()) - {
-        "configuration_bert_impl.BertImplConfig"}
+        "configuration_bert_impl.BertImplConfig"
+    }
     assert [cls.__name__ for cls in hf_bert_impl.HEADS.values()] == names
     assert set(names) <= set(hf_bert_impl.__all__)
     assert all(getattr(hf_bert_impl, cls.__name__) is cls for cls in hf_bert_impl.HEADS.values())  # exported by name

@@ -123,8 +123,15 @@ def test_valid_configs_and_inputs_give_finite_outputs(case):
         torch.testing.assert_close(again[real], out.prediction_logits[real], atol=1e-5, rtol=1e-5)
 
 
-COUNTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-          "max_position_embeddings", "type_vocab_size")
+COUNTS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+)
 PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")
 POSITIVE = ("initializer_range", "layer_norm_eps")
 CHOICES = {"position_embedding_type": POSITION_EMBEDDING_TYPES, "hidden_act": HIDDEN_ACTS}
@@ -137,20 +144,40 @@ OTHER_TYPES = st.one_of(st.text(max_size=8), st.lists(st.integers(), max_size=2)
 def bad_config_value(draw):
     """(field, a value the field refuses): drawn, not listed: out-of-range numbers of the right type (NaN and inf
     included), numbers of the wrong type, booleans, None where it is not accepted, strings that name nothing."""
-    field = draw(st.sampled_from([*COUNTS, *PROBABILITIES, *POSITIVE, *CHOICES, "scale_word_embeddings",
-                                  "pad_token_id"]))
+    field = draw(
+        st.sampled_from([*COUNTS, *PROBABILITIES, *POSITIVE, *CHOICES, "scale_word_embeddings", "pad_token_id"])
+    )
     if field in COUNTS:
         value = draw(st.one_of(st.integers(max_value=0), st.floats(), st.booleans(), st.none(), OTHER_TYPES))
     elif field in PROBABILITIES:
-        out = st.one_of(st.floats(min_value=1.0), st.floats(max_value=-1e-300), st.integers(min_value=1),
-                        st.integers(max_value=-1), st.just(float("nan")))
+        out = st.one_of(
+            st.floats(min_value=1.0),
+            st.floats(max_value=-1e-300),
+            st.integers(min_value=1),
+            st.integers(max_value=-1),
+            st.just(float("nan")),
+        )
         value = draw(st.one_of(out, st.booleans(), OTHER_TYPES, *([] if field in OPTIONAL else [st.none()])))
     elif field in POSITIVE:
-        value = draw(st.one_of(st.floats(max_value=0.0), st.integers(max_value=0), st.just(float("nan")),
-                               st.booleans(), st.none(), OTHER_TYPES))
+        value = draw(
+            st.one_of(
+                st.floats(max_value=0.0),
+                st.integers(max_value=0),
+                st.just(float("nan")),
+                st.booleans(),
+                st.none(),
+                OTHER_TYPES,
+            )
+        )
     elif field in CHOICES:
-        value = draw(st.one_of(st.text(max_size=12).filter(lambda v: v not in CHOICES[field]), st.integers(),
-                               st.none(), st.lists(st.sampled_from(CHOICES[field]), min_size=1, max_size=1)))
+        value = draw(
+            st.one_of(
+                st.text(max_size=12).filter(lambda v: v not in CHOICES[field]),
+                st.integers(),
+                st.none(),
+                st.lists(st.sampled_from(CHOICES[field]), min_size=1, max_size=1),
+            )
+        )
     elif field == "scale_word_embeddings":
         value = draw(st.one_of(st.integers(), st.floats(), OTHER_TYPES))
     else:  # pad_token_id
@@ -163,8 +190,13 @@ def bad_config_value(draw):
 def test_invalid_config_raises_value_error_naming_field(bad):
     field, value = bad
     event(field)
-    kw = {"vocab_size": 99, "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
-          "intermediate_size": 7}
+    kw = {
+        "vocab_size": 99,
+        "hidden_size": 16,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "intermediate_size": 7,
+    }
     with pytest.raises(ValueError, match=rf"^BertImplConfig\.{field} must be ") as err:
         BertImplConfig(**{**kw, field: value})
     assert str(err.value).endswith(f", got {value!r}"), str(err.value)
@@ -178,7 +210,8 @@ def coupled_case(draw):
         heads = draw(st.integers(2, 12))
         hidden = draw(st.integers(1, 96).filter(lambda h: h % heads))
         return {"hidden_size": hidden, "num_attention_heads": heads}, (
-            rf"hidden_size \({hidden}\) must be divisible by num_attention_heads \({heads}\)")
+            rf"hidden_size \({hidden}\) must be divisible by num_attention_heads \({heads}\)"
+        )
     vocab = draw(st.integers(1, 200))
     pad = draw(st.integers(vocab, 10**9))
     message = rf"pad_token_id must be None or in \[0, config.vocab_size={vocab}\), got {pad}$"
@@ -190,8 +223,13 @@ def coupled_case(draw):
 def test_coupled_fields_are_checked_when_the_model_is_built(case):
     """The config takes them (transformers' ConfigTester builds such configs); building a model names both values."""
     overrides, message = case
-    kw = {"vocab_size": 99, "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
-          "intermediate_size": 7}
+    kw = {
+        "vocab_size": 99,
+        "hidden_size": 16,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "intermediate_size": 7,
+    }
     config = BertImplConfig(**{**kw, **overrides})
     assert all(getattr(config, k) == v for k, v in overrides.items())
     with pytest.raises(ValueError, match=message):
@@ -201,10 +239,25 @@ def test_coupled_fields_are_checked_when_the_model_is_built(case):
 @st.composite
 def invalid_input(draw):
     b, s = draw(st.integers(1, 3)), draw(st.integers(1, 6))
-    kind = draw(st.sampled_from([
-        "id_high", "id_negative", "type_high", "mask_shape", "ids_3d", "learned_too_long", "both", "float_ids",
-        "empty", "embeds_width", "mask_values", "position_negative", "position_shape",
-    ]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "id_high",
+                "id_negative",
+                "type_high",
+                "mask_shape",
+                "ids_3d",
+                "learned_too_long",
+                "both",
+                "float_ids",
+                "empty",
+                "embeds_width",
+                "mask_values",
+                "position_negative",
+                "position_shape",
+            ]
+        )
+    )
     ids = torch.randint(0, 20, (b, s))
     kw = {"input_ids": ids}
     if kind == "id_high":
@@ -262,8 +315,13 @@ def test_invalid_inputs_raise_value_error_naming_the_value(case):
     kind, kw, names, mentions = case
     event(kind)
     config = BertImplConfig(
-        vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=7,
-        max_position_embeddings=8, position_embedding_type="learned",
+        vocab_size=20,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=7,
+        max_position_embeddings=8,
+        position_embedding_type="learned",
     )
     model = BertImplModel(config).eval()
     with pytest.raises(ValueError) as err:
@@ -277,8 +335,11 @@ def test_invalid_inputs_raise_value_error_naming_the_value(case):
 
 def snapshot(folder: Path) -> dict:
     """Every file under `folder` (and the folder's siblings' names) -> sha256, to prove nothing changed."""
-    files = {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in folder.rglob("*") if p.is_file()}
+    files = {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.rglob("*")
+        if p.is_file()
+    }
     return {"files": files, "siblings": sorted(p.name for p in folder.parent.iterdir())}
 
 
@@ -375,8 +436,14 @@ def test_missing_required_field_is_named(saved, field):
 
 
 WRONG_TYPES = {
-    "num_attention_heads": "4", "hidden_size": 32.0, "vocab_size": None, "layer_norm_eps": "1e-12",
-    "position_embedding_type": 1, "hidden_act": ["gelu"], "type_vocab_size": True, "hidden_dropout_prob": "0.1",
+    "num_attention_heads": "4",
+    "hidden_size": 32.0,
+    "vocab_size": None,
+    "layer_norm_eps": "1e-12",
+    "position_embedding_type": 1,
+    "hidden_act": ["gelu"],
+    "type_vocab_size": True,
+    "hidden_dropout_prob": "0.1",
 }
 
 
@@ -434,29 +501,42 @@ def test_no_config_field_is_rewritten_by_a_save(tmp_path, debug_config):
     config.json and weights as the plain one (0.5 rewrote sparse_prediction in the saved file)."""
     from hf_bert_impl import kernelize, kernelized
 
-    config = debug_config(hidden_act="relu", classifier_dropout=0.3, layer_norm_eps=1e-7, initializer_range=0.05,
-                          position_embedding_type="learned", max_position_embeddings=64, scale_word_embeddings=True,
-                          hidden_dropout_prob=0.2, type_vocab_size=3, pad_token_id=1, num_labels=3,
-                          sparse_prediction=True)
+    config = debug_config(
+        hidden_act="relu",
+        classifier_dropout=0.3,
+        layer_norm_eps=1e-7,
+        initializer_range=0.05,
+        position_embedding_type="learned",
+        max_position_embeddings=64,
+        scale_word_embeddings=True,
+        hidden_dropout_prob=0.2,
+        type_vocab_size=3,
+        pad_token_id=1,
+        num_labels=3,
+        sparse_prediction=True,
+    )
     torch.manual_seed(0)
     model = BertImplForMaskedLM(config)
     model.save_pretrained(tmp_path / "plain")
     written = json.loads((tmp_path / "plain" / "config.json").read_text())
     live = json.loads(model.config.to_json_string(use_diff=False))
     assert {k: v for k, v in written.items() if k != "transformers_version"} == {
-        k: live[k] for k in written if k != "transformers_version"}
-    fields = BertImplConfig.__init__.__code__.co_varnames[1:BertImplConfig.__init__.__code__.co_argcount]
+        k: live[k] for k in written if k != "transformers_version"
+    }
+    fields = BertImplConfig.__init__.__code__.co_varnames[1 : BertImplConfig.__init__.__code__.co_argcount]
     assert all(written[f] == live[f] for f in fields), [f for f in fields if written.get(f) != live[f]]
     assert (written["hidden_act"], written["classifier_dropout"], written["pad_token_id"]) == ("relu", 0.3, 1)
     assert written["sparse_prediction"] is True
     reloaded = BertImplConfig.from_pretrained(tmp_path / "plain").to_dict()
     assert {k: v for k, v in reloaded.items() if k != "_name_or_path"} == {
-        k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+        k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"
+    }
     kernelize(model, "unpadded")
     assert kernelized(model)["bert.layers"] == "unpadded_encoder_forward"
     model.save_pretrained(tmp_path / "kernelized")
     assert sorted(p.name for p in (tmp_path / "kernelized").iterdir()) == sorted(
-        p.name for p in (tmp_path / "plain").iterdir())
+        p.name for p in (tmp_path / "plain").iterdir()
+    )
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "kernelized" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
     assert not {"kernels", "unpad_inputs", "onednn_linear"} & set(written)
@@ -489,8 +569,12 @@ def test_new_head_and_pooler_on_an_encoder_checkpoint_still_load(tmp_path, debug
     mlm = BertImplForMaskedLM(debug_config()).eval()
     mlm.save_pretrained(tmp_path / "mlm")  # no pooler, an MLM head
     model, info = BertImplForSequenceClassification.from_pretrained(tmp_path / "mlm", output_loading_info=True)
-    assert set(info["missing_keys"]) == {"classifier.weight", "classifier.bias", "bert.pooler.dense.weight",
-                                         "bert.pooler.dense.bias"}
+    assert set(info["missing_keys"]) == {
+        "classifier.weight",
+        "classifier.bias",
+        "bert.pooler.dense.weight",
+        "bert.pooler.dense.bias",
+    }
     assert torch.equal(model.bert.layers[1].attn.Wqkv.weight, mlm.bert.layers[1].attn.Wqkv.weight)
 
 

@@ -30,6 +30,7 @@ from hf_bert_impl.hub import CODE_FILES, NOT_RECORDED, build_model_card, save_mo
 
 from .conftest import REPO_ROOT, run_without_package
 
+
 FACTS = {
     "task": "fill-mask",
     "dataset": "wikitext",
@@ -88,7 +89,8 @@ def test_card_results_match_recorded_metrics(saved_mlm):
     assert recorded == {"eval_loss": FACTS["metrics"]["eval_loss"], "perplexity": FACTS["metrics"]["perplexity"]}
     assert {r.metric_type for r in data.eval_results} == {"loss", "perplexity"}
     assert {(r.task_type, r.dataset_type, r.dataset_config) for r in data.eval_results} == {
-        ("fill-mask", "wikitext", "wikitext-2-raw-v1")}
+        ("fill-mask", "wikitext", "wikitext-2-raw-v1")
+    }
     for name, value in FACTS["metrics"].items():
         assert f"| {name} | {value:.6g} |" in card.text
     for name in FACTS["hyperparameters"]:
@@ -109,17 +111,25 @@ def test_card_from_a_fine_tuning_run_on_local_data(tmp_path, debug_config):
     model_dir = tmp_path / "ner"
     BertImplForTokenClassification(debug_config(num_labels=3)).save_pretrained(model_dir)
     write_training_facts(
-        model_dir, task="token-classification", dataset="ner.jsonl", base_model=str(tmp_path / "mlm-pretrained"),
+        model_dir,
+        task="token-classification",
+        dataset="ner.jsonl",
+        base_model=str(tmp_path / "mlm-pretrained"),
         hyperparameters={"learning_rate": 3e-5, "num_train_epochs": None, "max_steps": 40},
         metrics={"eval_f1": 0.8125, "eval_accuracy": 0.9, "train_loss": 0.31, "eval_bad": float("inf")},
-        loss_curve=None, labels=["O", "B-PER", "I-PER"], dataset_split="validation")
+        loss_curve=None,
+        labels=["O", "B-PER", "I-PER"],
+        dataset_split="validation",
+    )
     card = ModelCard.load(save_model_card(model_dir))
     validate_model_card(card, model_dir)
     data = card.data
     assert data.pipeline_tag == "token-classification"
     assert "base_model" not in data.to_dict() and "datasets" not in data.to_dict()
     assert {r.metric_name: r.metric_value for r in data.eval_results} == {"eval_f1": 0.8125, "eval_accuracy": 0.9}
-    assert {(r.dataset_type, r.dataset_name, r.dataset_split) for r in data.eval_results} == {("local", "ner.jsonl", "validation")}
+    assert {(r.dataset_type, r.dataset_name, r.dataset_split) for r in data.eval_results} == {
+        ("local", "ner.jsonl", "validation")
+    }
     assert "| train_loss | 0.31 |" in card.text and "eval_bad" not in card.text
     assert "| num_train_epochs |" not in card.text and "| max_steps | 40 |" in card.text
     assert "- Labels: O, B-PER, I-PER" in card.text and "(a local checkpoint)" in card.text
@@ -146,13 +156,20 @@ def test_bad_training_facts_are_named(saved_mlm, facts, message):
     [
         ("value: 4.123456789", "value: 4.12345679", "model-index metrics"),  # a rounded metric
         ("      name: perplexity\n", "      name: eval_perplexity\n", "model-index metrics"),
-        ("      name: wikitext\n", "      name: wikitext-103\n", "model-index result 'eval_loss' is for task 'fill-mask' on 'wikitext-103'"),
+        (
+            "      name: wikitext\n",
+            "      name: wikitext-103\n",
+            "model-index result 'eval_loss' is for task 'fill-mask' on 'wikitext-103'",
+        ),
         ("      type: fill-mask\n", "      type: text-classification\n", "is for task 'text-classification'"),
         ("pipeline_tag: fill-mask", "pipeline_tag: text-classification", "pipeline_tag is 'text-classification'"),
         ("| Head | `BertImplForMaskedLM`", "| Head | `BertImplModel`", "the head row does not name"),
         # the second snippet (the plain-BERT export) loads another head than the first
-        ("to_hf_bert\n\nmodel = AutoModelForMaskedLM.", "to_hf_bert\n\nmodel = AutoModel.",
-         "the usage snippets load the model with ['AutoModel', 'AutoModelForMaskedLM']"),
+        (
+            "to_hf_bert\n\nmodel = AutoModelForMaskedLM.",
+            "to_hf_bert\n\nmodel = AutoModel.",
+            "the usage snippets load the model with ['AutoModel', 'AutoModelForMaskedLM']",
+        ),
         ("2 layers, hidden 32, 4 heads", "2 layers, hidden 4, 32 heads", "the size row states"),
         ("vocabulary 99 |", "vocabulary 98 |", "the size row states"),
     ],
@@ -183,12 +200,18 @@ def test_card_validation_reads_the_current_facts_and_config(saved_mlm):
         validate_model_card(card, saved_mlm)
     (saved_mlm / "training_facts.json").write_text(json.dumps(facts))
     config = json.loads((saved_mlm / "config.json").read_text())
-    (saved_mlm / "config.json").write_text(json.dumps({**config, "architectures": ["BertImplForSequenceClassification"]}))
-    with pytest.raises(ValueError, match="pipeline_tag is 'fill-mask', but config.json's head BertImplForSequenceClassification"):
+    (saved_mlm / "config.json").write_text(
+        json.dumps({**config, "architectures": ["BertImplForSequenceClassification"]})
+    )
+    with pytest.raises(
+        ValueError, match="pipeline_tag is 'fill-mask', but config.json's head BertImplForSequenceClassification"
+    ):
         validate_model_card(card, saved_mlm)
     (saved_mlm / "config.json").write_text(json.dumps(config))
     (saved_mlm / "training_facts.json").write_text(json.dumps({**facts, "task": "token-classification"}))
-    with pytest.raises(ValueError, match="pipeline_tag is 'token-classification', but config.json's head BertImplForMaskedLM"):
+    with pytest.raises(
+        ValueError, match="pipeline_tag is 'token-classification', but config.json's head BertImplForMaskedLM"
+    ):
         save_model_card(saved_mlm)
 
 
@@ -206,15 +229,31 @@ def test_card_refuses_a_directory_that_is_not_bert_impl(tmp_path):
 
 OLAH_CLI = Path(os.environ.get("OLAH_VENV", REPO_ROOT / ".venv-olah")) / "bin" / "olah-cli"  # scripts/setup_env.sh
 OWNER = "owner"
-ID2LABEL = {"cls": {0: "negative", 1: "neutral", 2: "positive"},
-            "tok": {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}}
-HEADS = {"mlm": "BertImplForMaskedLM", "pt": "BertImplForPreTraining", "cls": "BertImplForSequenceClassification",
-         "tok": "BertImplForTokenClassification", "qa": "BertImplForQuestionAnswering", "base": "BertImplModel"}
+ID2LABEL = {
+    "cls": {0: "negative", 1: "neutral", 2: "positive"},
+    "tok": {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"},
+}
+HEADS = {
+    "mlm": "BertImplForMaskedLM",
+    "pt": "BertImplForPreTraining",
+    "cls": "BertImplForSequenceClassification",
+    "tok": "BertImplForTokenClassification",
+    "qa": "BertImplForQuestionAnswering",
+    "base": "BertImplModel",
+}
 TEXT = "The quick brown fox jumps over the lazy dog in Paris."
 MASKED = "The quick brown [MASK] jumps over the lazy dog."
 QUESTION, CONTEXT = "Where does the fox live?", "The fox lives in a small den near Paris with its family."
-UPLOAD = ["README.md", "config.json", "configuration_bert_impl.py", "loss_curve.png", "model.safetensors",
-          "modeling_bert_impl.py", "tokenizer.json", "tokenizer_config.json"]
+UPLOAD = [
+    "README.md",
+    "config.json",
+    "configuration_bert_impl.py",
+    "loss_curve.png",
+    "model.safetensors",
+    "modeling_bert_impl.py",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 
 
 def _load_script(name: str):
@@ -232,8 +271,11 @@ def _push_script():
 
 def _files(folder: Path) -> dict:
     """relative path -> sha256 of every file under `folder`."""
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 class FakeHub:
@@ -263,13 +305,26 @@ class FakeHub:
         def create_branch(api, repo_id, *, branch, **kwargs):
             hub.calls.append(("create_branch", repo_id, branch))
 
-        def upload_folder(api, *, repo_id, folder_path, path_in_repo=None, allow_patterns=None,
-                          ignore_patterns=None, revision=None, commit_message=None, **kwargs):
+        def upload_folder(
+            api,
+            *,
+            repo_id,
+            folder_path,
+            path_in_repo=None,
+            allow_patterns=None,
+            ignore_patterns=None,
+            revision=None,
+            commit_message=None,
+            **kwargs,
+        ):
             folder = Path(folder_path)
-            ignore = ([ignore_patterns] if isinstance(ignore_patterns, str) else list(ignore_patterns or []))
+            ignore = [ignore_patterns] if isinstance(ignore_patterns, str) else list(ignore_patterns or [])
             names = [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file()]
-            names = list(filter_repo_objects(names, allow_patterns=allow_patterns,
-                                             ignore_patterns=ignore + DEFAULT_IGNORE_PATTERNS))
+            names = list(
+                filter_repo_objects(
+                    names, allow_patterns=allow_patterns, ignore_patterns=ignore + DEFAULT_IGNORE_PATTERNS
+                )
+            )
             dest = hub.root / repo_id
             shutil.rmtree(dest, ignore_errors=True)
             for name in names:
@@ -310,9 +365,18 @@ def hub_setup(tmp_path_factory, minilm_dir):
     push = _push_script()
     for i, (name, cls_name) in enumerate(HEADS.items()):
         torch.manual_seed(i)
-        extra = {"id2label": ID2LABEL[name], "label2id": {v: k for k, v in ID2LABEL[name].items()}} if name in ID2LABEL else {}
+        extra = (
+            {"id2label": ID2LABEL[name], "label2id": {v: k for k, v in ID2LABEL[name].items()}}
+            if name in ID2LABEL
+            else {}
+        )
         config = hf_bert_impl.BertImplConfig.from_preset(
-            "debug", vocab_size=tokenizer.vocab_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+            "debug",
+            vocab_size=tokenizer.vocab_size,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **extra,
+        )
         model = getattr(hf_bert_impl, cls_name)(config).eval()
         dirs[name] = root / "models" / name
         model.save_pretrained(dirs[name])
@@ -325,7 +389,12 @@ def hub_setup(tmp_path_factory, minilm_dir):
             fig.savefig(dirs[name] / "loss_curve.png")
             plt.close(fig)
         uploads[name] = root / "upload" / name
-        assert push.main(["--model-dir", str(dirs[name]), "--repo-id", f"{OWNER}/{name}", "--dry-run", str(uploads[name])]) == 0
+        assert (
+            push.main(
+                ["--model-dir", str(dirs[name]), "--repo-id", f"{OWNER}/{name}", "--dry-run", str(uploads[name])]
+            )
+            == 0
+        )
     return types.SimpleNamespace(root=root, tokenizer=tokenizer, models=models, dirs=dirs, uploads=uploads, push=push)
 
 
@@ -349,7 +418,9 @@ def test_dry_run_folder_is_exactly_the_hub_repository(hub_setup):
     card = ModelCard.load(folder / "README.md")
     validate_model_card(card, hub_setup.dirs["mlm"])
     assert {r.metric_name: r.metric_value for r in card.data.eval_results} == {
-        "eval_loss": FACTS["metrics"]["eval_loss"], "perplexity": FACTS["metrics"]["perplexity"]}
+        "eval_loss": FACTS["metrics"]["eval_loss"],
+        "perplexity": FACTS["metrics"]["perplexity"],
+    }
     assert 'AutoModelForMaskedLM.from_pretrained("owner/mlm", trust_remote_code=True)' in card.text
 
 
@@ -363,7 +434,7 @@ def test_card_export_block_gives_a_plain_transformers_bert(hub_setup, name, tmp_
     folder = hub_setup.uploads[name]
     card = (folder / "README.md").read_text()
     code = card.split("```python\n")[2].split("```", 1)[0]
-    assert "to_hf_bert(model).save_pretrained(\"plain-bert\")" in code and f'"owner/{name}"' in code
+    assert 'to_hf_bert(model).save_pretrained("plain-bert")' in code and f'"owner/{name}"' in code
     monkeypatch.chdir(tmp_path)
     exec(code.replace(f'"owner/{name}"', repr(str(folder))), {})
     assert AutoConfig.from_pretrained(tmp_path / "plain-bert").model_type == "bert"
@@ -382,13 +453,27 @@ def test_card_export_block_gives_a_plain_transformers_bert(hub_setup, name, tmp_
 def test_upload_half_hands_huggingface_hub_exactly_the_dry_run_folder(hub_setup, tmp_path, monkeypatch, capsys):
     hub = FakeHub(tmp_path / "received").install(monkeypatch)
     monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_faked_endpoints")
-    argv = ["--model-dir", str(hub_setup.dirs["mlm"]), "--repo-id", f"{OWNER}/mlm", "--private",
-            "--revision", "v1", "--commit-message", "tiny MLM"]
+    argv = [
+        "--model-dir",
+        str(hub_setup.dirs["mlm"]),
+        "--repo-id",
+        f"{OWNER}/mlm",
+        "--private",
+        "--revision",
+        "v1",
+        "--commit-message",
+        "tiny MLM",
+    ]
     assert hub_setup.push.main(argv) == 0
     assert "pushed to https://huggingface.co/owner/mlm/commit/" in capsys.readouterr().out
     # login checked first, the Hub's card check before the repository is touched, one upload
-    assert hub.calls == [("whoami",), ("validate_card",), ("create_repo", "owner/mlm", True),
-                         ("create_branch", "owner/mlm", "v1"), ("upload_folder", "owner/mlm", "v1", "tiny MLM", None)]
+    assert hub.calls == [
+        ("whoami",),
+        ("validate_card",),
+        ("create_repo", "owner/mlm", True),
+        ("create_branch", "owner/mlm", "v1"),
+        ("upload_folder", "owner/mlm", "v1", "tiny MLM", None),
+    ]
     assert _files(hub.uploads["owner/mlm"]) == _files(hub_setup.uploads["mlm"])  # same names, same bytes
 
 
@@ -403,7 +488,8 @@ def test_rejected_token_or_foreign_owner_stops_before_upload(hub_setup, tmp_path
     assert hub_setup.push.main(argv + ["stranger/cls"]) == 2
     assert capsys.readouterr().err == (
         "push_to_hub.py: error: logged in as 'owner', who cannot write to 'stranger'; "
-        "pushable owners: ['owner', 'some-org']\n")
+        "pushable owners: ['owner', 'some-org']\n"
+    )
 
     def rejected(api, token=None, **kwargs):
         request = httpx2.Request("GET", "https://huggingface.co/api/whoami-v2")
@@ -416,20 +502,31 @@ def test_rejected_token_or_foreign_owner_stops_before_upload(hub_setup, tmp_path
 
     def forbidden(api, repo_id, **kwargs):  # e.g. a token without write access to the organisation
         request = httpx2.Request("POST", "https://huggingface.co/api/repos/create")
-        raise HfHubHTTPError("403 Forbidden: you don't have the rights to create a model under this namespace",
-                             response=httpx2.Response(403, request=request))
+        raise HfHubHTTPError(
+            "403 Forbidden: you don't have the rights to create a model under this namespace",
+            response=httpx2.Response(403, request=request),
+        )
 
     hub = FakeHub(tmp_path / "received").install(monkeypatch)
     monkeypatch.setattr(HfApi, "create_repo", forbidden)
     assert hub_setup.push.main(argv + ["some-org/cls"]) == 1
-    assert capsys.readouterr().err.splitlines()[-1].startswith("push_to_hub.py: error: the Hub refused the push: 403 Forbidden")
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .startswith("push_to_hub.py: error: the Hub refused the push: 403 Forbidden")
+    )
     assert [c[0] for c in hub.calls] == ["whoami", "validate_card"] and not hub.uploads
 
 
-@pytest.mark.parametrize("repo_id", ["bert-impl-mlm", "owner/name/extra", "owner/bad name", "owner/-name", "owner/na--me", "/name"])
+@pytest.mark.parametrize(
+    "repo_id", ["bert-impl-mlm", "owner/name/extra", "owner/bad name", "owner/-name", "owner/na--me", "/name"]
+)
 def test_malformed_repo_id_is_refused_before_anything(hub_setup, repo_id, tmp_path, capsys):
     out = tmp_path / "out"
-    assert hub_setup.push.main(["--model-dir", str(hub_setup.dirs["cls"]), "--repo-id", repo_id, "--dry-run", str(out)]) == 2
+    assert (
+        hub_setup.push.main(["--model-dir", str(hub_setup.dirs["cls"]), "--repo-id", repo_id, "--dry-run", str(out)])
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("push_to_hub.py: error: repo id ") and repr(repo_id) in err and "malformed" in err
     assert not out.exists()
@@ -451,14 +548,18 @@ def test_bad_model_dirs_are_refused_with_the_reason(hub_setup, tmp_path, capsys)
 
     cases = {
         "no config": (variant("a", drop=["config.json"]), "has no config.json"),
-        "pickled weights": (variant("b", drop=["model.safetensors"], add=lambda d: torch.save({}, d / "pytorch_model.bin")),
-                            "holds weights in 'pytorch_model.bin', which is not safetensors"),
+        "pickled weights": (
+            variant("b", drop=["model.safetensors"], add=lambda d: torch.save({}, d / "pytorch_model.bin")),
+            "holds weights in 'pytorch_model.bin', which is not safetensors",
+        ),
         "no weights": (variant("c", drop=["model.safetensors"]), "has no model.safetensors"),
         "no tokenizer": (variant("d", drop=["tokenizer.json", "tokenizer_config.json"]), "has no tokenizer"),
         "missing dir": (tmp_path / "nowhere", "is not a directory"),
     }
     for case, (model_dir, message) in cases.items():
-        code = hub_setup.push.main(["--model-dir", str(model_dir), "--repo-id", "owner/x", "--dry-run", str(tmp_path / "o")])
+        code = hub_setup.push.main(
+            ["--model-dir", str(model_dir), "--repo-id", "owner/x", "--dry-run", str(tmp_path / "o")]
+        )
         err = capsys.readouterr().err
         assert code == 2 and message in err and err.count("\n") == 1, f"{case}: {err!r}"
     assert not (tmp_path / "o").exists()
@@ -473,12 +574,25 @@ def test_not_logged_in_says_how_to_log_in(hub_setup, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "push_to_hub.py"), "--model-dir", str(hub_setup.dirs["cls"]),
-         "--repo-id", "owner/x"], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "push_to_hub.py"),
+            "--model-dir",
+            str(hub_setup.dirs["cls"]),
+            "--repo-id",
+            "owner/x",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "push_to_hub.py: error: not logged in to the Hugging Face Hub: log in with `hf auth login` (or set HF_TOKEN "
-        "to a write token from https://huggingface.co/settings/tokens); --dry-run OUT needs no token")
+        "to a write token from https://huggingface.co/settings/tokens); --dry-run OUT needs no token"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -492,12 +606,29 @@ def trainer_upload(hub_setup, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("trainer")
     model = hf_bert_impl.BertImplForSequenceClassification.from_pretrained(hub_setup.dirs["cls"])
-    enc = hub_setup.tokenizer([TEXT, MASKED, QUESTION, CONTEXT] * 2, padding="max_length", max_length=16, truncation=True)
-    data = [{"input_ids": torch.tensor(enc["input_ids"][i]), "attention_mask": torch.tensor(enc["attention_mask"][i]),
-             "labels": torch.tensor(i % 3)} for i in range(8)]
-    args = TrainingArguments(output_dir=str(root / "out"), push_to_hub=True, hub_model_id=f"{OWNER}/trainer-cls",
-                             max_steps=2, per_device_train_batch_size=4, save_strategy="no", report_to=[],
-                             use_cpu=True, disable_tqdm=True, learning_rate=1e-3)
+    enc = hub_setup.tokenizer(
+        [TEXT, MASKED, QUESTION, CONTEXT] * 2, padding="max_length", max_length=16, truncation=True
+    )
+    data = [
+        {
+            "input_ids": torch.tensor(enc["input_ids"][i]),
+            "attention_mask": torch.tensor(enc["attention_mask"][i]),
+            "labels": torch.tensor(i % 3),
+        }
+        for i in range(8)
+    ]
+    args = TrainingArguments(
+        output_dir=str(root / "out"),
+        push_to_hub=True,
+        hub_model_id=f"{OWNER}/trainer-cls",
+        max_steps=2,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        learning_rate=1e-3,
+    )
     with pytest.MonkeyPatch.context() as mp:
         hub = FakeHub(root / "received").install(mp)
         trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=hub_setup.tokenizer)
@@ -512,8 +643,15 @@ def test_trainer_push_to_hub_uploads_a_loadable_remote_code_repository(trainer_u
     # Trainer's own card (README.md) and its pickled TrainingArguments travel too; the weights are
     # safetensors and nothing else is pickled.
     assert sorted(_files(trainer_upload.folder)) == [
-        "README.md", "config.json", "configuration_bert_impl.py", "model.safetensors", "modeling_bert_impl.py",
-        "tokenizer.json", "tokenizer_config.json", "training_args.bin"]
+        "README.md",
+        "config.json",
+        "configuration_bert_impl.py",
+        "model.safetensors",
+        "modeling_bert_impl.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "training_args.bin",
+    ]
     config = json.loads((trainer_upload.folder / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["BertImplForSequenceClassification"]
     assert [c[0] for c in trainer_upload.hub.calls] == ["create_repo", "upload_folder"]
@@ -558,8 +696,12 @@ def hub_server(hub_setup, trainer_upload, tmp_path_factory):
         "[accessibility]\noffline = true\n"
     )
     log = open(root / "olah.log", "wb")
-    server = subprocess.Popen([str(OLAH_CLI), "-c", str(root / "olah.toml"), "--log-path", str(root / "logs")],
-                              cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [str(OLAH_CLI), "-c", str(root / "olah.toml"), "--log-path", str(root / "logs")],
+        cwd=root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, never a proxy
@@ -587,9 +729,15 @@ def hub_server(hub_setup, trainer_upload, tmp_path_factory):
         log.close()
 
 
-LOAD_HEADS = {"mlm": "AutoModelForMaskedLM", "pt": "AutoModelForPreTraining", "cls": "AutoModelForSequenceClassification",
-              "trainer-cls": "AutoModelForSequenceClassification", "tok": "AutoModelForTokenClassification",
-              "qa": "AutoModelForQuestionAnswering", "base": "AutoModel"}
+LOAD_HEADS = {
+    "mlm": "AutoModelForMaskedLM",
+    "pt": "AutoModelForPreTraining",
+    "cls": "AutoModelForSequenceClassification",
+    "trainer-cls": "AutoModelForSequenceClassification",
+    "tok": "AutoModelForTokenClassification",
+    "qa": "AutoModelForQuestionAnswering",
+    "base": "AutoModel",
+}
 
 CLIENT = r"""
 import sys
@@ -610,7 +758,8 @@ for name, auto in %(heads)r.items():
 # with 401 instead of 404; the tokenizer therefore comes from a snapshot downloaded from the server.
 tokenizer = AutoTokenizer.from_pretrained(snapshot_download("owner/mlm"), trust_remote_code=True)
 %(run)s
-(OUT / "modules.json").write_text(json.dumps({n: type(m).__module__ + "." + type(m).__name__ for n, m in models.items()}))
+modules = {n: type(m).__module__ + "." + type(m).__name__ for n, m in models.items()}
+(OUT / "modules.json").write_text(json.dumps(modules))
 save_file(run_heads(models, tokenizer), OUT / "outputs.safetensors")
 (OUT / "pipelines.json").write_text(json.dumps(run_pipelines(models, tokenizer)))
 
@@ -628,8 +777,14 @@ for name, call in %(snippet_calls)r.items():
 (OUT / "snippets.json").write_text(json.dumps(snippets, default=lambda numpy_scalar: numpy_scalar.item()))
 """
 # name -> (args, kwargs) of the card's `pipe(...)`; None: the QA card decodes `answer` itself
-SNIPPET_CALLS = {"mlm": ((MASKED,), {"top_k": 3}), "pt": ((MASKED,), {"top_k": 3}), "cls": ((TEXT,), {"top_k": None}),
-                 "tok": ((TEXT,), {}), "base": ((TEXT,), {}), "qa": None}
+SNIPPET_CALLS = {
+    "mlm": ((MASKED,), {"top_k": 3}),
+    "pt": ((MASKED,), {"top_k": 3}),
+    "cls": ((TEXT,), {"top_k": None}),
+    "tok": ((TEXT,), {}),
+    "base": ((TEXT,), {}),
+    "qa": None,
+}
 
 # Runs identically in the package-free client and in this process, on the Hub copies and on the
 # local models respectively.
@@ -678,7 +833,7 @@ def run_pipelines(models, tokenizer):
     }
     import json
     return json.loads(json.dumps(results, default=lambda numpy_scalar: numpy_scalar.item()))
-""" % dict(text=TEXT, masked=MASKED, question=QUESTION, context=CONTEXT)
+""" % {"text": TEXT, "masked": MASKED, "question": QUESTION, "context": CONTEXT}
 
 
 def _assert_same(hub, local, where="output"):
@@ -703,33 +858,52 @@ def test_load_back_through_a_hub_server(hub_setup, trainer_upload, hub_server, t
     bit-identical to the local model; the five pipelines give the local pipelines' results."""
     from safetensors.torch import load_file
 
-    code = CLIENT % dict(out=str(tmp_path), heads=LOAD_HEADS, run=RUN, snippet_calls=SNIPPET_CALLS)
-    proc = run_without_package(code, cwd=tmp_path, timeout=300, env_extra={
-        "HF_ENDPOINT": hub_server.url, "HF_HOME": str(tmp_path / "empty_hf_home"), "HF_HUB_OFFLINE": "0",
-        "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
+    code = CLIENT % {"out": str(tmp_path), "heads": LOAD_HEADS, "run": RUN, "snippet_calls": SNIPPET_CALLS}
+    proc = run_without_package(
+        code,
+        cwd=tmp_path,
+        timeout=300,
+        env_extra={
+            "HF_ENDPOINT": hub_server.url,
+            "HF_HOME": str(tmp_path / "empty_hf_home"),
+            "HF_HUB_OFFLINE": "0",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "NO_PROXY": "127.0.0.1,localhost",
+            "no_proxy": "127.0.0.1,localhost",
+        },
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     modules = json.loads((tmp_path / "modules.json").read_text())
-    for name, head in LOAD_HEADS.items():
+    for name in LOAD_HEADS.keys():
         # the class came from the repository's code (transformers_modules.owner.<name>.<commit>...)
         assert modules[name].startswith(f"transformers_modules.{OWNER}.") and modules[name].endswith(
-            HEADS.get(name, "BertImplForSequenceClassification")), modules[name]
+            HEADS.get(name, "BertImplForSequenceClassification")
+        ), modules[name]
 
     namespace = {}
     exec(RUN, namespace)
     local_models = {**hub_setup.models, "trainer-cls": trainer_upload.model}
     local_models = {name: local_models[name] for name in LOAD_HEADS}
-    hub_out, local_out = load_file(tmp_path / "outputs.safetensors"), namespace["run_heads"](local_models, hub_setup.tokenizer)
+    hub_out, local_out = (
+        load_file(tmp_path / "outputs.safetensors"),
+        namespace["run_heads"](local_models, hub_setup.tokenizer),
+    )
     assert sorted(hub_out) == sorted(local_out)
     for name in local_out:
-        assert torch.equal(hub_out[name], local_out[name]), f"{name}: max |diff| {(hub_out[name] - local_out[name]).abs().max()}"
+        assert torch.equal(hub_out[name], local_out[name]), (
+            f"{name}: max |diff| {(hub_out[name] - local_out[name]).abs().max()}"
+        )
 
     hub_pipes = json.loads((tmp_path / "pipelines.json").read_text())
     local_pipes = namespace["run_pipelines"](local_models, hub_setup.tokenizer)
     _assert_same(hub_pipes, local_pipes, "pipelines")
     assert len(hub_pipes["fill-mask"]) == 3 and all("[MASK]" not in r["sequence"] for r in hub_pipes["fill-mask"])
     assert {r["label"] for r in hub_pipes["text-classification"]} == set(ID2LABEL["cls"].values())
-    assert torch.equal(torch.tensor(hub_pipes["feature-extraction"][0]), local_out["base"][0, : len(hub_pipes["feature-extraction"][0])])
+    assert torch.equal(
+        torch.tensor(hub_pipes["feature-extraction"][0]),
+        local_out["base"][0, : len(hub_pipes["feature-extraction"][0])],
+    )
 
     # the cards' usage code runs as written and gives the same results
     from transformers import pipeline
@@ -737,11 +911,17 @@ def test_load_back_through_a_hub_server(hub_setup, trainer_upload, hub_server, t
     import hf_bert_impl
 
     snippets = json.loads((tmp_path / "snippets.json").read_text())
-    for name, key in (("mlm", "fill-mask"), ("cls", "text-classification"), ("tok", "token-classification"),
-                      ("base", "feature-extraction")):
+    for name, key in (
+        ("mlm", "fill-mask"),
+        ("cls", "text-classification"),
+        ("tok", "token-classification"),
+        ("base", "feature-extraction"),
+    ):
         _assert_same(snippets[name], local_pipes[key], f"card snippet of {name}")
     pt_mlm = hf_bert_impl.BertImplForMaskedLM.from_pretrained(hub_setup.dirs["pt"]).eval()
-    local_pt = json.loads(json.dumps(pipeline("fill-mask", model=pt_mlm, tokenizer=hub_setup.tokenizer)(MASKED, top_k=3)))
+    local_pt = json.loads(
+        json.dumps(pipeline("fill-mask", model=pt_mlm, tokenizer=hub_setup.tokenizer)(MASKED, top_k=3))
+    )
     _assert_same(snippets["pt"], local_pt, "card snippet of pt")
     assert isinstance(snippets["qa"], str)
 
@@ -753,9 +933,25 @@ def test_pretraining_run_to_upload_folder(tmp_path):
     from huggingface_hub import ModelCard
 
     run = tmp_path / "run"
-    _load_script("pretrain_mlm").main([
-        "--output_dir", str(run), "--model_size", "debug", "--max_steps", "3", "--per_device_train_batch_size", "8",
-        "--max_seq_length", "32", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true"])
+    _load_script("pretrain_mlm").main(
+        [
+            "--output_dir",
+            str(run),
+            "--model_size",
+            "debug",
+            "--max_steps",
+            "3",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_seq_length",
+            "32",
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     upload = tmp_path / "upload"
     assert _push_script().main(["--model-dir", str(run), "--repo-id", "owner/mlm-run", "--dry-run", str(upload)]) == 0
     assert sorted(_files(upload)) == UPLOAD  # no checkpoint-*, training_args.bin, trainer_state.json, *_results.json
@@ -775,10 +971,23 @@ def test_converted_checkpoint_to_upload_folder(minilm_dir, tmp_path):
 
     converted, upload = tmp_path / "converted", tmp_path / "upload"
     assert _load_script("convert_checkpoint").main(["--from-hf", str(minilm_dir), "--out", str(converted)]) == 0
-    assert _push_script().main(["--model-dir", str(converted), "--repo-id", "owner/minilm-impl", "--dry-run", str(upload)]) == 0
-    assert sorted(_files(upload)) == ["README.md", "config.json", "configuration_bert_impl.py", "model.safetensors",
-                                      "modeling_bert_impl.py", "special_tokens_map.json", "tokenizer.json",
-                                      "tokenizer_config.json", "vocab.txt"]
+    assert (
+        _push_script().main(
+            ["--model-dir", str(converted), "--repo-id", "owner/minilm-impl", "--dry-run", str(upload)]
+        )
+        == 0
+    )
+    assert sorted(_files(upload)) == [
+        "README.md",
+        "config.json",
+        "configuration_bert_impl.py",
+        "model.safetensors",
+        "modeling_bert_impl.py",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.txt",
+    ]
     card = ModelCard.load(upload / "README.md")
     validate_model_card(card, converted)
     # a local directory is not a Hub id, so it is named in the text and kept out of the metadata

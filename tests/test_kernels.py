@@ -67,8 +67,11 @@ def encoder_calls(monkeypatch):
 
 def head_model(head, debug_config, **overrides):
     """`head`'s class on the debug config (dropout off; 3 labels, QA's 2 outputs), seeded."""
-    kw = {} if head.hf_class == "BertForQuestionAnswering" else {
-        "id2label": LABELS, "label2id": {v: k for k, v in LABELS.items()}}
+    kw = (
+        {}
+        if head.hf_class == "BertForQuestionAnswering"
+        else {"id2label": LABELS, "label2id": {v: k for k, v in LABELS.items()}}
+    )
     if head.hf_class == "BertForSequenceClassification":
         kw["problem_type"] = "single_label_classification"
     torch.manual_seed(0)
@@ -143,7 +146,7 @@ def test_unpadded_matches_the_plain_model_on_every_head(debug_config, mixed, enc
 @pytest.mark.parametrize("setting", ["auto", "unpadded", " unpadded ", ["unpadded"], ("unpadded",)])
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
 def test_the_table_and_forced_names_unpad_the_mlm_head(debug_config, mixed, encoder_calls, setting, training):
-    """"auto" (KERNEL_TABLE: CPU float32 unpads in training and inference) and the names forced: the MLM logits on
+    """ "auto" (KERNEL_TABLE: CPU float32 unpads in training and inference) and the names forced: the MLM logits on
     the real tokens and the loss within 1e-5 of the plain model's."""
     torch.manual_seed(0)
     model = kernelize(BertImplForMaskedLM(debug_config()).train(training), setting)
@@ -162,14 +165,18 @@ def test_unpadded_any_padding_pattern(debug_config, mixed, encoder_calls, patter
     torch.manual_seed(0)
     model = kernelize(BertImplModel(debug_config()).eval(), "unpadded")
     ids, mask, _ = mixed
-    mask = {"left": mask.flip(1), "holes": mask * (torch.arange(SEQ) != 2),
-            "empty_row": mask * (torch.arange(BATCH) != 3)[:, None]}[pattern]
+    mask = {
+        "left": mask.flip(1),
+        "holes": mask * (torch.arange(SEQ) != 2),
+        "empty_row": mask * (torch.arange(BATCH) != 3)[:, None],
+    }[pattern]
     with torch.no_grad():
         got, want = model(ids, attention_mask=mask), plain_copy(model)(ids, attention_mask=mask)
     assert encoder_calls[0] == (1, int(mask.sum()), model.config.hidden_size)
     assert torch.isfinite(got.pooler_output).all()
-    assert_outputs_match({"last_hidden_state": got.last_hidden_state}, {"last_hidden_state": want.last_hidden_state},
-                         mask)
+    assert_outputs_match(
+        {"last_hidden_state": got.last_hidden_state}, {"last_hidden_state": want.last_hidden_state}, mask
+    )
     rows = mask.any(1)
     assert (got.pooler_output - want.pooler_output)[rows].abs().max().item() <= ATOL
 
@@ -253,8 +260,11 @@ def cpu_has_bf16_units() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
-@pytest.mark.skipif(not cpu_has_bf16_units(), reason="no bf16 units on this CPU "
-                    f"(torch.backends.cpu.get_cpu_capability() = {torch.backends.cpu.get_cpu_capability()})")
+@pytest.mark.skipif(
+    not cpu_has_bf16_units(),
+    reason="no bf16 units on this CPU "
+    f"(torch.backends.cpu.get_cpu_capability() = {torch.backends.cpu.get_cpu_capability()})",
+)
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_unpadded_bf16_within_3x_transformers_error(mixed, encoder_calls, backend):
     """An MLM training step (dropout off) in bfloat16, kernelized by the table: ours' logits on the real tokens, loss
@@ -263,8 +273,12 @@ def test_unpadded_bf16_within_3x_transformers_error(mixed, encoder_calls, backen
     hf32 = hf_model("BertForMaskedLM", attn_implementation=backend).train()
     ours32 = from_hf_bert(hf32, BertImplForMaskedLM).train()
     ours32.set_attn_implementation(backend)
-    models = {"hf32": hf32, "hf16": copy.deepcopy(hf32).to(torch.bfloat16), "ours32": ours32,
-              "ours16": kernelize(copy.deepcopy(ours32).to(torch.bfloat16))}
+    models = {
+        "hf32": hf32,
+        "hf16": copy.deepcopy(hf32).to(torch.bfloat16),
+        "ours32": ours32,
+        "ours16": kernelize(copy.deepcopy(ours32).to(torch.bfloat16)),
+    }
     x = inputs_for("BertForMaskedLM", mixed)
     real = x["attention_mask"].bool()
     logits, loss, grads = {}, {}, {}
@@ -277,8 +291,10 @@ def test_unpadded_bf16_within_3x_transformers_error(mixed, encoder_calls, backen
     errors = {  # name: (transformers' bf16 error, ours'), both against float32
         "logits": [(logits[m] - logits["hf32"]).abs().max() for m in ("hf16", "ours16")],
         "loss": [(loss[m] - loss["hf32"]).abs() for m in ("hf16", "ours16")],
-        "gradient": [(grads[m] - grads[ref]).norm() / grads[ref].norm() for m, ref in (("hf16", "hf32"),
-                                                                                      ("ours16", "ours32"))]}
+        "gradient": [
+            (grads[m] - grads[ref]).norm() / grads[ref].norm() for m, ref in (("hf16", "hf32"), ("ours16", "ours32"))
+        ],
+    }
     for name, (theirs, mine) in errors.items():
         print(f"bf16 {backend} {name}: transformers {theirs.item():.2e}, ours {mine.item():.2e}")
         assert torch.isfinite(mine) and mine <= 3 * theirs + 1e-6, (name, mine.item(), theirs.item())
@@ -332,8 +348,10 @@ def test_kernel_names():
     assert K.kernel_names(["unpadded"]) == K.kernel_names(("unpadded",)) == frozenset({"unpadded"})
 
 
-@pytest.mark.parametrize("bad", ["fast", "", "unpadded,nope", "unpadded,", "onednn_linear", "bits_dropout", [],
-                                 ["unpadded", 3], None, 0, True])
+@pytest.mark.parametrize(
+    "bad",
+    ["fast", "", "unpadded,nope", "unpadded,", "onednn_linear", "bits_dropout", [], ["unpadded", 3], None, 0, True],
+)
 def test_a_bad_name_is_a_value_error_naming_the_value(debug_config, bad):
     """The message names the value and the kernels there are; the model keeps the kernels it had."""
     model = kernelize(BertImplModel(debug_config()), "unpadded")
@@ -352,8 +370,10 @@ def test_what_kernelize_puts_on_and_reference_takes_off(debug_config, mixed):
     untouched = BertImplForMaskedLM(debug_config()).eval()
     model = kernelize(copy.deepcopy(untouched), "auto")
     layers = range(model.config.num_hidden_layers)
-    assert kernelized(model) == {"bert.layers": "unpadded_encoder_forward",
-                                 **{f"bert.layers.{i}.attn.attention_function": "attention_function" for i in layers}}
+    assert kernelized(model) == {
+        "bert.layers": "unpadded_encoder_forward",
+        **{f"bert.layers.{i}.attn.attention_function": "attention_function" for i in layers},
+    }
     assert kernelize(model, "reference") is model and kernelized(model) == {}
     assert not any({"forward", "attention_function"} & set(m.__dict__) for m in model.modules())
     ids, mask, _ = mixed
@@ -429,11 +449,19 @@ def run_child(root, tag, extra_env=None):
     for folder in folders.values():
         folder.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_", "TRANSFORMERS_"))}
-    env.update(HF_HOME=str(folders["hf_home"]), HOME=str(folders["home"]), XDG_CACHE_HOME=str(folders["xdg"]),
-               TMPDIR=str(folders["tmp"]), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO_ROOT), PYTHONDONTWRITEBYTECODE="1",
-               **(extra_env or {}))
-    done = subprocess.run([sys.executable, "-c", CHILD], cwd=folders["cwd"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    env.update(
+        HF_HOME=str(folders["hf_home"]),
+        HOME=str(folders["home"]),
+        XDG_CACHE_HOME=str(folders["xdg"]),
+        TMPDIR=str(folders["tmp"]),
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(REPO_ROOT),
+        PYTHONDONTWRITEBYTECODE="1",
+        **(extra_env or {}),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD], cwd=folders["cwd"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), folders
 
@@ -449,8 +477,10 @@ def test_two_processes_give_the_same_bits_and_write_no_file(tmp_path):
     second, more = run_child(tmp_path, "b", noise)
     assert first == second
     assert set(first["kernelized"].values()) == {"unpadded_encoder_forward", "attention_function"}
-    written = {name: sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
-               for name, folder in {**folders, **{f"b-{k}": v for k, v in more.items()}}.items()}
+    written = {
+        name: sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+        for name, folder in {**folders, **{f"b-{k}": v for k, v in more.items()}}.items()
+    }
     assert not any(written.values()), written
     assert not (tmp_path / "cache.json").exists()
 
@@ -492,11 +522,27 @@ def test_the_kernel_module_opens_no_file_reads_no_environment_and_times_nothing(
     """The source, as a syntax tree: imports torch, functools, types and warnings only; no open / os / environ / time
     / json."""
     tree = ast.parse((REPO_ROOT / "hf_bert_impl" / "kernels_bert_impl.py").read_text(encoding="utf-8"))
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
     assert imported <= {"torch", "functools", "types", "warnings"}, imported
-    forbidden = {"open", "os", "environ", "getenv", "time", "perf_counter", "monotonic", "json", "Path", "pickle",
-                 "tempfile", "filelock"}
+    forbidden = {
+        "open",
+        "os",
+        "environ",
+        "getenv",
+        "time",
+        "perf_counter",
+        "monotonic",
+        "json",
+        "Path",
+        "pickle",
+        "tempfile",
+        "filelock",
+    }
     names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     assert not names & forbidden, names & forbidden

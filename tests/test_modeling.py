@@ -47,8 +47,13 @@ ATOL = 1e-5  # float32, unit-scale activations (docs/formulas.md, tolerances)
     ],
 )
 def test_invalid_config_names_field_and_value(overrides, field):
-    kw = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 37,
-          "vocab_size": 99}
+    kw = {
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 37,
+        "vocab_size": 99,
+    }
     kw.update(overrides)
     with pytest.raises(ValueError, match=rf"BertImplConfig\.{field} must be") as info:
         BertImplConfig(**kw)
@@ -97,8 +102,14 @@ def test_config_passes_the_config_tester_checks(config_class, tmp_path):
     config.num_labels = 5
     assert len(config.id2label) == 5 and len(config.label2id) == 5
     assert config_class().hidden_size == 768  # can be built without arguments
-    common = {"return_dict": False, "output_hidden_states": True, "output_attentions": True,
-              "problem_type": "regression", "id2label": {0: "a", 1: "b", 2: "c"}, "tie_word_embeddings": False}
+    common = {
+        "return_dict": False,
+        "output_hidden_states": True,
+        "output_attentions": True,
+        "problem_type": "regression",
+        "id2label": {0: "a", 1: "b", 2: "c"},
+        "tie_word_embeddings": False,
+    }
     built = config_class(**inputs, **common)
     assert all(getattr(built, k) == v for k, v in common.items()), {k: getattr(built, k) for k in common}
 
@@ -129,7 +140,12 @@ def test_old_config_with_retired_speed_fields_loads_without_them(debug_config, t
 def test_config_defaults_are_bert_base():
     c = BertImplConfig()
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.intermediate_size) == (
-        30522, 768, 12, 12, 3072)
+        30522,
+        768,
+        12,
+        12,
+        3072,
+    )
     assert (c.max_position_embeddings, c.type_vocab_size, c.layer_norm_eps, c.hidden_act) == (512, 2, 1e-12, "gelu")
     assert c.position_embedding_type == "sinusoidal" and c.model_type == "bert_impl"
     with pytest.raises(ValueError, match="unknown size preset 'huge'"):
@@ -147,20 +163,35 @@ def _head_cases(config, input_ids, attention_mask, token_type_ids):
     common = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
     mc = lambda t: t.unsqueeze(1).expand(-1, 3, -1).contiguous()  # noqa: E731  (b, s) -> (b, 3, s)
     return [
-        (BertImplModel, common,
-         {"last_hidden_state": (b, s, config.hidden_size), "pooler_output": (b, config.hidden_size)}),
+        (
+            BertImplModel,
+            common,
+            {"last_hidden_state": (b, s, config.hidden_size), "pooler_output": (b, config.hidden_size)},
+        ),
         (BertImplForMaskedLM, {**common, "labels": mlm_labels}, {"logits": (b, s, config.vocab_size)}),
-        (BertImplForPreTraining, {**common, "labels": mlm_labels, "next_sentence_label": torch.randint(0, 2, (b,))},
-         {"prediction_logits": (b, s, config.vocab_size), "seq_relationship_logits": (b, 2)}),
+        (
+            BertImplForPreTraining,
+            {**common, "labels": mlm_labels, "next_sentence_label": torch.randint(0, 2, (b,))},
+            {"prediction_logits": (b, s, config.vocab_size), "seq_relationship_logits": (b, 2)},
+        ),
         (BertImplForNextSentencePrediction, {**common, "labels": torch.randint(0, 2, (b,))}, {"logits": (b, 2)}),
         (BertImplForSequenceClassification, {**common, "labels": torch.randint(0, 2, (b,))}, {"logits": (b, 2)}),
         (BertImplForTokenClassification, {**common, "labels": torch.randint(0, 2, (b, s))}, {"logits": (b, s, 2)}),
-        (BertImplForQuestionAnswering,
-         {**common, "start_positions": torch.randint(0, s, (b,)), "end_positions": torch.randint(0, s, (b,))},
-         {"start_logits": (b, s), "end_logits": (b, s)}),
-        (BertImplForMultipleChoice,
-         {"input_ids": mc(input_ids), "attention_mask": mc(attention_mask), "token_type_ids": mc(token_type_ids),
-          "labels": torch.randint(0, 3, (b,))}, {"logits": (b, 3)}),
+        (
+            BertImplForQuestionAnswering,
+            {**common, "start_positions": torch.randint(0, s, (b,)), "end_positions": torch.randint(0, s, (b,))},
+            {"start_logits": (b, s), "end_logits": (b, s)},
+        ),
+        (
+            BertImplForMultipleChoice,
+            {
+                "input_ids": mc(input_ids),
+                "attention_mask": mc(attention_mask),
+                "token_type_ids": mc(token_type_ids),
+                "labels": torch.randint(0, 3, (b,)),
+            },
+            {"logits": (b, 3)},
+        ),
     ]
 
 
@@ -190,11 +221,14 @@ def test_every_head_shapes_loss_backward(debug_config, batch, position_embedding
         assert torch.equal(as_tuple[list(first.keys()).index(key)], first[key])
 
 
-@pytest.mark.parametrize("num_labels,labels,problem_type,loss_name", [
-    (1, torch.randn(13), "regression", "mse"),
-    (3, torch.randint(0, 3, (13,)), "single_label_classification", "ce"),
-    (3, torch.randint(0, 2, (13, 3)).float(), "multi_label_classification", "bce"),
-])
+@pytest.mark.parametrize(
+    "num_labels,labels,problem_type,loss_name",
+    [
+        (1, torch.randn(13), "regression", "mse"),
+        (3, torch.randint(0, 3, (13,)), "single_label_classification", "ce"),
+        (3, torch.randint(0, 2, (13, 3)).float(), "multi_label_classification", "bce"),
+    ],
+)
 def test_sequence_classification_problem_types(debug_config, batch, num_labels, labels, problem_type, loss_name):
     model = BertImplForSequenceClassification(debug_config(num_labels=num_labels)).eval()
     input_ids, attention_mask, _ = batch
@@ -209,8 +243,9 @@ def test_sequence_classification_problem_types(debug_config, batch, num_labels, 
     assert abs(out.loss.item() - want.item()) <= 1e-6
 
 
-@pytest.mark.parametrize("num_labels,problem_type",
-                         [(2, "single_label_classification"), (1, "regression"), (1, None), (3, None)])
+@pytest.mark.parametrize(
+    "num_labels,problem_type", [(2, "single_label_classification"), (1, "regression"), (1, None), (3, None)]
+)
 def test_integer_labels_reach_the_loss_as_transformers_passes_them(debug_config, batch, num_labels, problem_type):
     """Integer labels are cast to float only for regression and multi-label problems (transformers' contract): with
     problem_type="single_label_classification" and one label they stay integer (0.3.6 cast them, and cross-entropy
@@ -242,6 +277,7 @@ def _backends():
     names = ["eager", "sdpa"]
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+
         names.append("flex_attention")
     except ImportError:
         pass
@@ -397,16 +433,19 @@ def test_sinusoidal_positions_extend_from_the_first_missing_row(debug_config):
 # Bad inputs: a ValueError naming the value, never a bare IndexError
 
 
-@pytest.mark.parametrize("case,match", [
-    ("id_too_large", r"input_ids contains 99, outside \[0, vocab_size=99\)"),
-    ("id_negative", r"input_ids contains -3, outside \[0, vocab_size=99\)"),
-    ("token_type", r"token_type_ids contains 2, outside \[0, type_vocab_size=2\)"),
-    ("mask_shape", r"attention_mask has shape \(13, 6\) but the input has shape \(13, 7\)"),
-    ("token_type_shape", r"token_type_ids has shape \(13, 6\) but the input has shape \(13, 7\)"),
-    ("embeds_token_type_shape", r"token_type_ids has shape \(13, 6\) but the input has shape \(13, 7\)"),
-    ("both_inputs", r"exactly one of input_ids or inputs_embeds"),
-    ("rank", r"input_ids must have shape \(batch, sequence\), got \(7,\)"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("id_too_large", r"input_ids contains 99, outside \[0, vocab_size=99\)"),
+        ("id_negative", r"input_ids contains -3, outside \[0, vocab_size=99\)"),
+        ("token_type", r"token_type_ids contains 2, outside \[0, type_vocab_size=2\)"),
+        ("mask_shape", r"attention_mask has shape \(13, 6\) but the input has shape \(13, 7\)"),
+        ("token_type_shape", r"token_type_ids has shape \(13, 6\) but the input has shape \(13, 7\)"),
+        ("embeds_token_type_shape", r"token_type_ids has shape \(13, 6\) but the input has shape \(13, 7\)"),
+        ("both_inputs", r"exactly one of input_ids or inputs_embeds"),
+        ("rank", r"input_ids must have shape \(batch, sequence\), got \(7,\)"),
+    ],
+)
 def test_bad_inputs_raise_value_error(debug_config, batch, case, match):
     model = BertImplForMaskedLM(debug_config()).eval()
     input_ids, attention_mask, token_type_ids = (t.clone() for t in batch)
@@ -452,8 +491,12 @@ def test_sparse_prediction_matches_dense(debug_config, batch, num_items_in_batch
     assert dense.config.sparse_prediction is False  # the default, and the copies' configs are their own
     input_ids, attention_mask, token_type_ids = batch
     labels = _mlm_labels(input_ids, attention_mask)
-    kw = {"attention_mask": attention_mask, "token_type_ids": token_type_ids, "labels": labels,
-          "num_items_in_batch": num_items_in_batch}
+    kw = {
+        "attention_mask": attention_mask,
+        "token_type_ids": token_type_ids,
+        "labels": labels,
+        "num_items_in_batch": num_items_in_batch,
+    }
     d, s = dense(input_ids, **kw), sparse(input_ids, **kw)
     keep = labels.ne(-100)
     assert d.logits.shape == (*input_ids.shape, 99) and s.logits.shape == (int(keep.sum()), 99)

@@ -270,9 +270,17 @@ def test_pretrain_mlm_time_budget_saves_a_loadable_model_and_its_card(tmp_path):
     out = tmp_path / "out"
     metrics = pretrain.main(
         script_args(
-            output_dir=out, train_file=tmp_path / "train.txt", validation_file=tmp_path / "valid.txt",
-            model_size="debug", max_seq_length=32, tokenizer_vocab_size=300, per_device_train_batch_size=4,
-            per_device_eval_batch_size=5, time_budget=4 / 60, eval_every_minutes=1.2 / 60, warmup_steps="0.1",
+            output_dir=out,
+            train_file=tmp_path / "train.txt",
+            validation_file=tmp_path / "valid.txt",
+            model_size="debug",
+            max_seq_length=32,
+            tokenizer_vocab_size=300,
+            per_device_train_batch_size=4,
+            per_device_eval_batch_size=5,
+            time_budget=4 / 60,
+            eval_every_minutes=1.2 / 60,
+            warmup_steps="0.1",
             save_strategy="no",
         )
     )
@@ -419,7 +427,11 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
     # the opponent trained with the recipe asked for, read off its collator, config and TrainingArguments
     assert report["opponent"] == {"mlm_probability": 0.3, "dropout": 0.0, "learning_rate": 1e-3}
     assert theirs["trained_with"] == {
-        "mlm_probability": 0.3, "dropout": [0.0, 0.0], "learning_rate": 1e-3, "mixed_precision": None}
+        "mlm_probability": 0.3,
+        "dropout": [0.0, 0.0],
+        "learning_rate": 1e-3,
+        "mixed_precision": None,
+    }
     assert ours["trained_with"]["mixed_precision"] is None  # float32 unless --bf16
 
     gold = D.statement_topic_task(seed=0)["test"]["label"]
@@ -434,13 +446,16 @@ def test_the_race_script_runs_both_models_and_checks_parity(tmp_path):
         assert scores["accuracy"] == pytest.approx(hits / len(gold), abs=1e-12)
         assert scores["mcc"] == pytest.approx(_matthews(gold, scores["predicted"]), abs=1e-9)
     # one seed: the paired test is McNemar's on the sentences exactly one of the two models labelled right
-    right = {name: [p == g for p, g in zip(run["finetune"]["statement_topic"]["predicted"], gold)]
-             for name, run in (("ours", ours), ("transformers", theirs))}
+    right = {
+        name: [p == g for p, g in zip(run["finetune"]["statement_topic"]["predicted"], gold)]
+        for name, run in (("ours", ours), ("transformers", theirs))
+    }
     test = report["summary"]["finetune_paired_test"]["statement_topic"]
     assert (test["sentences"], test["seeds"]) == (len(gold), 1)
     assert test["ours_right_more_often"] == sum(a and not b for a, b in zip(right["ours"], right["transformers"]))
     assert test["transformers_right_more_often"] == sum(
-        b and not a for a, b in zip(right["ours"], right["transformers"]))
+        b and not a for a, b in zip(right["ours"], right["transformers"])
+    )
     assert 0 < test["p_value"] <= 1
 
     # ours ran with the speed layer (the table's kernels) and sparse prediction, as pretrain_mlm.py applies them
@@ -477,8 +492,13 @@ def test_the_paired_finetuning_test_counts_sentences_by_their_share_of_seeds_rig
     ours = [[0, 1, 0, 1, 1, 1], [0, 1, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]  # right on 1: 2/3, 3: 3/3, 4: 0/3, 5: 2/3
     theirs = [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 1, 0]]  # 1: 0/3, 3: 1/3, 4: 2/3, 5: 2/3
     test = race.finetune_paired([{"predicted": p} for p in ours], [{"predicted": p} for p in theirs], gold)
-    assert test == {"sentences": 6, "seeds": 3, "ours_right_more_often": 2, "transformers_right_more_often": 1,
-                    "p_value": pytest.approx(1.0)}
+    assert test == {
+        "sentences": 6,
+        "seeds": 3,
+        "ours_right_more_often": 2,
+        "transformers_right_more_often": 1,
+        "p_value": pytest.approx(1.0),
+    }
     # one seed: McNemar's exact test on the discordant sentences; the same predictions: nothing to test, p = 1
     one = race.finetune_paired([{"predicted": ours[0]}], [{"predicted": theirs[0]}], gold)
     assert (one["ours_right_more_often"], one["transformers_right_more_often"]) == (2, 1)
@@ -609,8 +629,9 @@ def test_a_bad_finetune_dropout_is_refused_with_its_value(capsys):
 
 
 @pytest.mark.parametrize("folds, rates", [(0, None), (3, None), (0, [1e-3, 1e-5]), (3, [1e-5, 3e-3, 1e-3])])
-def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_on_it(tmp_path, monkeypatch, folds,
-                                                                                       rates):
+def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_on_it(
+    tmp_path, monkeypatch, folds, rates
+):
     """--finetune_folds K: the task's sentences (train, validation and test) are each predicted once, by the one of
     K fine-tunings whose training set left them out (read off what each Trainer trained on and predicted); the
     scores are recomputed here from the recorded predictions. 0: trained on the train split, scored on the test.
@@ -620,8 +641,9 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
 
     race = load_script("benchmark_pretraining")
     grid = [] if rates is None else ["--finetune_learning_rates", *map(str, rates)]
-    args = race.parse_args(["--finetune_folds", str(folds), "--finetune_epochs", "0.5", "--kernels", "reference",
-                            *grid])
+    args = race.parse_args(
+        ["--finetune_folds", str(folds), "--finetune_epochs", "0.5", "--kernels", "reference", *grid]
+    )
     texts = [f"sentence {i} says {'statement' if i % 3 == 0 else 'other'} number {i}" for i in range(45)]
     tokenizer = D.train_wordpiece_tokenizer(texts, vocab_size=120)
     features = datasets.Features(
@@ -629,8 +651,10 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
     )
     rows = [{"sentence": t, "label": int(i % 3 == 0)} for i, t in enumerate(texts)]
     task = datasets.DatasetDict(
-        {split: datasets.Dataset.from_list(rows[a:b], features=features)
-         for split, (a, b) in {"train": (0, 33), "validation": (33, 39), "test": (39, 45)}.items()}
+        {
+            split: datasets.Dataset.from_list(rows[a:b], features=features)
+            for split, (a, b) in {"train": (0, 33), "validation": (33, 39), "test": (39, 45)}.items()
+        }
     )
     config = BertImplConfig.from_preset("debug", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     BertImplForMaskedLM(config).save_pretrained(tmp_path / "ours")
@@ -657,16 +681,18 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
     if rates is None:
         assert scores["learning_rate"] == 3e-4 and scores["validation"] is None  # --finetune_learning_rate's
     else:  # one fine-tuning per rate: trained on the train split, scored on the validation split, in order
-        tried, ran = ran[:len(rates)], ran[len(rates):]
-        assert seen[:len(rates)] == [(sentences_of("train"), sentences_of("validation"))] * len(rates)
-        seen = seen[len(rates):]
+        tried, ran = ran[: len(rates)], ran[len(rates) :]
+        assert seen[: len(rates)] == [(sentences_of("train"), sentences_of("validation"))] * len(rates)
+        seen = seen[len(rates) :]
         assert [rate for rate, _ in tried] == rates
         assert scores["validation"] == [
             {"learning_rate": rate, "accuracy": pytest.approx(np.mean(p == np.array(task["validation"]["label"])))}
-            for rate, p in tried]
+            for rate, p in tried
+        ]
         best = max(v["accuracy"] for v in scores["validation"])
         assert scores["learning_rate"] == next(
-            v["learning_rate"] for v in scores["validation"] if v["accuracy"] == best)  # the first of equals
+            v["learning_rate"] for v in scores["validation"] if v["accuracy"] == best
+        )  # the first of equals
         assert {rate for rate, _ in ran} == {scores["learning_rate"]}  # the scored fine-tunings ran at it
         every -= sentences_of("validation")  # never scored
         rows = rows[:33] + rows[39:]
@@ -680,8 +706,11 @@ def test_finetune_folds_score_every_sentence_once_by_a_model_that_did_not_train_
     else:
         assert seen[0] == (sentences_of("train"), sentences_of("test"))
     race.check_folds(15, {"statement_topic": task})  # 15 of the smaller class: 15 folds can be stratified
-    with pytest.raises(UsageError, match="--finetune_folds 16: task 'statement_topic' has 15 sentences of its smallest "
-                       "class \\('statement'\\); give at most 15 folds"):
+    with pytest.raises(
+        UsageError,
+        match="--finetune_folds 16: task 'statement_topic' has 15 sentences of its smallest "
+        "class \\('statement'\\); give at most 15 folds",
+    ):
         race.check_folds(16, {"statement_topic": task})
     assert len(scores["predicted"]) == len(gold) and set(scores["predicted"]) <= {0, 1}
     assert scores["accuracy"] == pytest.approx(np.mean(np.array(scores["predicted"]) == np.array(gold)), abs=1e-12)
@@ -704,8 +733,10 @@ def test_a_finetuning_rate_grid_needs_two_positive_rates(capsys):
     for bad in (["3e-4"], ["3e-4", "3e-4"], ["0", "3e-4"]):
         with pytest.raises(SystemExit):
             race.parse_args(["--finetune_learning_rates", *bad])
-        assert (f"--finetune_learning_rates takes at least two different positive rates, got {[float(r) for r in bad]}"
-                in capsys.readouterr().err)
+        assert (
+            f"--finetune_learning_rates takes at least two different positive rates, got {[float(r) for r in bad]}"
+            in capsys.readouterr().err
+        )
 
 
 def test_a_finetuning_rate_sweep_picks_each_models_best_rate_and_a_race_on_other_seeds_takes_them(tmp_path, capsys):
@@ -715,10 +746,26 @@ def test_a_finetuning_rate_sweep_picks_each_models_best_rate_and_a_race_on_other
     seeds, and refuses the seeds they were chosen on, a task they were not chosen for and a report of no sweep."""
     race = load_script("benchmark_pretraining")
     rates = [2e-4, 3e-4, 5e-4]
-    sweep = race.parse_args(["--finetune_sweep", "--finetune_learning_rates", *map(str, rates), "--finetune_folds",
-                             "3", "--finetune_tasks", "statement_topic", "fortune_topic", "--seeds", "100", "101"])
-    assert race.finetunings(sweep, "ours") == race.finetunings(sweep, "transformers") == {
-        f"{task}@{rate:g}": (task, [rate]) for task in ("statement_topic", "fortune_topic") for rate in rates}
+    sweep = race.parse_args(
+        [
+            "--finetune_sweep",
+            "--finetune_learning_rates",
+            *map(str, rates),
+            "--finetune_folds",
+            "3",
+            "--finetune_tasks",
+            "statement_topic",
+            "fortune_topic",
+            "--seeds",
+            "100",
+            "101",
+        ]
+    )
+    assert (
+        race.finetunings(sweep, "ours")
+        == race.finetunings(sweep, "transformers")
+        == {f"{task}@{rate:g}": (task, [rate]) for task in ("statement_topic", "fortune_topic") for rate in rates}
+    )
     plain = race.parse_args([])
     assert race.finetunings(plain, "ours") == {task: (task, None) for task in race.FINETUNE_TASKS}
 
@@ -729,24 +776,44 @@ def test_a_finetuning_rate_sweep_picks_each_models_best_rate_and_a_race_on_other
         curve = [{"seconds": 60.0, "step": 5, "eval_loss": 6.0}]
         predicted = {key: np.where(rng.random(len(gold)) < 0.7, gold, 1 - gold) for key in race.finetunings(sweep, "")}
         predicted["fortune_topic@0.0002"] = predicted["fortune_topic@0.0005"]  # a tie: the first rate is chosen
-        return {"seed": seed, "curve": curve, "steps": 5, "finetune": {
-            key: {"accuracy": float(np.mean(p == gold)), "mcc": 0.0, "folds": 3, "validation": None,
-                  "predicted": p.tolist()} for key, p in predicted.items()}}
+        return {
+            "seed": seed,
+            "curve": curve,
+            "steps": 5,
+            "finetune": {
+                key: {
+                    "accuracy": float(np.mean(p == gold)),
+                    "mcc": 0.0,
+                    "folds": 3,
+                    "validation": None,
+                    "predicted": p.tolist(),
+                }
+                for key, p in predicted.items()
+            },
+        }
 
     runs = {"ours": [run(100), run(101)], "transformers": [run(100), run(101)]}
     splits = {"train": {"label": gold[:4]}, "validation": {"label": gold[4:6]}, "test": {"label": gold[6:]}}
-    summary = race.summarize(runs, budget=60.0, datasets_of=dict.fromkeys(race.finetunings(sweep, ""), splits),
-                             sweep=(sweep.finetune_tasks, rates))
-    mean = {name: {key: np.mean([r["finetune"][key]["accuracy"] for r in rs]) for key in rs[0]["finetune"]}
-            for name, rs in runs.items()}
+    summary = race.summarize(
+        runs,
+        budget=60.0,
+        datasets_of=dict.fromkeys(race.finetunings(sweep, ""), splits),
+        sweep=(sweep.finetune_tasks, rates),
+    )
+    mean = {
+        name: {key: np.mean([r["finetune"][key]["accuracy"] for r in rs]) for key in rs[0]["finetune"]}
+        for name, rs in runs.items()
+    }
     for name in ("ours", "transformers"):
         for task in sweep.finetune_tasks:
             scores = [mean[name][f"{task}@{rate:g}"] for rate in rates]
             assert summary["finetune_rates"][name][task] == rates[scores.index(max(scores))]
     assert summary["finetune_paired_test"].keys() == summary["mean_finetune"].keys() == mean["ours"].keys()
     assert race.summarize(runs, budget=60.0)["finetune_rates"] is None  # no sweep: no picks
-    partial = {name: [{**r, "finetune": {k: v for k, v in r["finetune"].items() if "@0.0005" not in k}} for r in rs]
-               for name, rs in runs.items()}
+    partial = {
+        name: [{**r, "finetune": {k: v for k, v in r["finetune"].items() if "@0.0005" not in k}} for r in rs]
+        for name, rs in runs.items()
+    }
     assert race.summarize(partial, budget=60.0, sweep=(sweep.finetune_tasks, rates))["finetune_rates"] is None
 
     report = tmp_path / "rates.json"
@@ -754,16 +821,21 @@ def test_a_finetuning_rate_sweep_picks_each_models_best_rate_and_a_race_on_other
     chosen = race.parse_args(["--finetune_rates_from", str(report), "--seeds", "0", "1", "2"])
     assert chosen.finetune_rates == summary["finetune_rates"]
     assert race.finetunings(chosen, "ours") == {
-        task: (task, [summary["finetune_rates"]["ours"][task]]) for task in race.FINETUNE_TASKS}
+        task: (task, [summary["finetune_rates"]["ours"][task]]) for task in race.FINETUNE_TASKS
+    }
     no_sweep = tmp_path / "race.json"
     no_sweep.write_text(json.dumps({"summary": {**summary, "finetune_rates": None}, "runs": runs}))
     for argv, message in (
-        (["--finetune_rates_from", str(report), "--seeds", "0", "101"],
-         f"{str(report)!r} chose its rates on seeds \\[100, 101\\]: race other seeds than \\[0, 101\\]"),
+        (
+            ["--finetune_rates_from", str(report), "--seeds", "0", "101"],
+            f"{str(report)!r} chose its rates on seeds \\[100, 101\\]: race other seeds than \\[0, 101\\]",
+        ),
         (["--finetune_rates_from", str(no_sweep)], "a race without --finetune_sweep: it chose no fine-tuning rates"),
         (["--finetune_rates_from", str(tmp_path / "none.json")], "is not a readable --finetune_sweep report"),
-        (["--finetune_rates_from", str(report), "--finetune_learning_rates", "1e-4", "2e-4"],
-         "--finetune_rates_from gives each model its rates"),
+        (
+            ["--finetune_rates_from", str(report), "--finetune_learning_rates", "1e-4", "2e-4"],
+            "--finetune_rates_from gives each model its rates",
+        ),
         (["--finetune_sweep", "--finetune_folds", "3"], "--finetune_sweep scores every rate of"),
         (["--finetune_sweep", "--finetune_learning_rates", "1e-4", "2e-4"], "--finetune_sweep scores every rate of"),
     ):
@@ -771,8 +843,17 @@ def test_a_finetuning_rate_sweep_picks_each_models_best_rate_and_a_race_on_other
             race.parse_args(argv)
         assert re.search(message, capsys.readouterr().err), argv
     one_task = tmp_path / "one.json"
-    one_task.write_text(json.dumps({"summary": {**summary, "finetune_rates": {
-        name: {"statement_topic": 3e-4} for name in ("ours", "transformers")}}, "runs": runs}))
+    one_task.write_text(
+        json.dumps(
+            {
+                "summary": {
+                    **summary,
+                    "finetune_rates": {name: {"statement_topic": 3e-4} for name in ("ours", "transformers")},
+                },
+                "runs": runs,
+            }
+        )
+    )
     with pytest.raises(SystemExit):
         race.parse_args(["--finetune_rates_from", str(one_task), "--seeds", "0"])
     assert "chose no rate for ['fortune_topic']: it swept ['statement_topic']" in capsys.readouterr().err
@@ -795,12 +876,40 @@ def test_a_finetuning_rate_sweep_runs_end_to_end_and_a_race_on_another_seed_fine
             return super().train(*a, **k)
 
     monkeypatch.setattr(race, "Trainer", RecordingTrainer)
-    common = ["--budget", "1", "--evaluations", "1", "--model_size", "debug", "--max_seq_length", "32", "--vocab_size",
-              "400", "--parity_steps", "0", "--finetune_epochs", "0.05", "--finetune_tasks", "statement_topic",
-              "--finetune_folds", "2"]
+    common = [
+        "--budget",
+        "1",
+        "--evaluations",
+        "1",
+        "--model_size",
+        "debug",
+        "--max_seq_length",
+        "32",
+        "--vocab_size",
+        "400",
+        "--parity_steps",
+        "0",
+        "--finetune_epochs",
+        "0.05",
+        "--finetune_tasks",
+        "statement_topic",
+        "--finetune_folds",
+        "2",
+    ]
     sweep = tmp_path / "rates"
-    race.main([*common, "--seeds", "100", "--finetune_sweep", "--finetune_learning_rates", "1e-4", "1e-3",
-               "--out", str(sweep)])
+    race.main(
+        [
+            *common,
+            "--seeds",
+            "100",
+            "--finetune_sweep",
+            "--finetune_learning_rates",
+            "1e-4",
+            "1e-3",
+            "--out",
+            str(sweep),
+        ]
+    )
     report = json.loads(sweep.with_suffix(".json").read_text())
     assert trained_at == [(ours, rate) for ours in (True, False) for rate in (1e-4, 1e-3) for _fold in range(2)]
     mean = report["summary"]["mean_finetune"]
@@ -811,14 +920,26 @@ def test_a_finetuning_rate_sweep_runs_end_to_end_and_a_race_on_another_seed_fine
     assert (tmp_path / "rates_rates.png").stat().st_size > 10_000
 
     trained_at.clear()
-    race.main([*common, "--seeds", "0", "--finetune_rates_from", str(sweep.with_suffix(".json")),
-               "--out", str(tmp_path / "race")])
+    race.main(
+        [
+            *common,
+            "--seeds",
+            "0",
+            "--finetune_rates_from",
+            str(sweep.with_suffix(".json")),
+            "--out",
+            str(tmp_path / "race"),
+        ]
+    )
     picks = report["summary"]["finetune_rates"]
-    assert trained_at == [(True, picks["ours"]["statement_topic"])] * 2 + [
-        (False, picks["transformers"]["statement_topic"])] * 2
+    assert (
+        trained_at
+        == [(True, picks["ours"]["statement_topic"])] * 2 + [(False, picks["transformers"]["statement_topic"])] * 2
+    )
     raced = json.loads((tmp_path / "race.json").read_text())
     assert raced["settings"]["finetune_rates"] == picks and set(raced["summary"]["mean_finetune"]) == {
-        "statement_topic"}
+        "statement_topic"
+    }
 
 
 def _fortune_folder(folder: Path) -> Path:
@@ -939,8 +1060,10 @@ def test_finetune_variants_fine_tunes_every_variant_as_the_race_fine_tunes_ours_
         assert row["mean_finetune"]["statement_topic"]["mcc"] == pytest.approx(np.mean([r["mcc"] for r in results]))
     assert "finetune_paired_test_vs_defaults" not in rows["defaults"]
     test = rows["masking 40%"]["finetune_paired_test_vs_defaults"]["statement_topic"]
-    better, worse = int((right["masking 40%"] > right["defaults"]).sum()), int((right["masking 40%"] < right[
-        "defaults"]).sum())
+    better, worse = (
+        int((right["masking 40%"] > right["defaults"]).sum()),
+        int((right["masking 40%"] < right["defaults"]).sum()),
+    )
     assert (test["variant_right_more_often"], test["defaults_right_more_often"]) == (better, worse)
     assert test["sentences"] == len(gold) and test["seeds"] == 2 and 0 < test["p_value"] <= 1
 
@@ -1037,7 +1160,8 @@ def test_an_interrupted_race_keeps_its_runs_and_resume_trains_only_what_is_missi
     """The race's report is written after every run ("finished": false until the last; the summary over the seeds
     both models have) and its plot after every such seed; --resume takes a model and seed from earlier race reports
     instead of training it again, and refuses one of another opponent, other fine-tuning or another kind. The two
-    trainings are replaced by synthetic curves (the race's bookkeeping is what is tested; the slow race test trains)."""
+    trainings are replaced by synthetic curves (the race's bookkeeping is what is tested; the slow race test
+    trains)."""
     race = load_script("benchmark_pretraining")
     trained = []
 
@@ -1051,7 +1175,9 @@ def test_an_interrupted_race_keeps_its_runs_and_resume_trains_only_what_is_missi
 
     def patch(interrupt_at=None):
         monkeypatch.setattr(race, "run_ours", lambda args, seed, *rest, **k: fake("ours", seed, interrupt_at))
-        monkeypatch.setattr(race, "run_transformers", lambda args, seed, *rest: fake("transformers", seed, interrupt_at))
+        monkeypatch.setattr(
+            race, "run_transformers", lambda args, seed, *rest: fake("transformers", seed, interrupt_at)
+        )
 
     args = ["--budget", "2", "--evaluations", "2", "--vocab_size", "400", "--parity_steps", "0"]
     args += ["--finetune_tasks", "--opponent", "mlm_probability=0.3,dropout=0"]
@@ -1062,14 +1188,19 @@ def test_an_interrupted_race_keeps_its_runs_and_resume_trains_only_what_is_missi
     assert trained == [("ours", 0), ("transformers", 0)]  # seed 1 (transformers first) was interrupted
     partial = json.loads(first.with_suffix(".json").read_text())
     assert partial["finished"] is False and first.with_suffix(".png").stat().st_size > 10_000
-    assert {name: [r["seed"] for r in rs] for name, rs in partial["runs"].items()} == {"ours": [0], "transformers": [0]}
+    assert {name: [r["seed"] for r in rs] for name, rs in partial["runs"].items()} == {
+        "ours": [0],
+        "transformers": [0],
+    }
     (row,) = partial["summary"]["per_seed"]
     assert (row["seed"], row["ours_final_loss"], row["transformers_final_loss"]) == (0, 6.8, 7.3)
 
     trained.clear()
     patch()
     second = tmp_path / "second"
-    assert race.main([*args, "--seeds", "0", "1", "--resume", str(first.with_suffix(".json")), "--out", str(second)]) == 0
+    assert (
+        race.main([*args, "--seeds", "0", "1", "--resume", str(first.with_suffix(".json")), "--out", str(second)]) == 0
+    )
     assert trained == [("transformers", 1), ("ours", 1)]  # seed 0 of both came from the first report
     report = json.loads(second.with_suffix(".json").read_text())
     assert report["finished"] is True

@@ -21,16 +21,24 @@ files, finetune, pretrain = test_scripts.files, test_scripts.finetune, test_scri
 
 
 SENTENCES = [
-    "the with statement wraps a block", "a class defines a new type", "import binds a module name",
-    "expressions are evaluated from left to right", "the for loop walks an iterable", "a function returns a value",
-    "assignment binds a name to an object", "the try statement handles exceptions",
+    "the with statement wraps a block",
+    "a class defines a new type",
+    "import binds a module name",
+    "expressions are evaluated from left to right",
+    "the for loop walks an iterable",
+    "a function returns a value",
+    "assignment binds a name to an object",
+    "the try statement handles exceptions",
 ]
 
 
 def hub_layout(root, splits: dict, pair: bool = True):
     """A dataset directory as the Hub stores one: data/{split}-00000-of-00001.parquet with ClassLabel labels."""
-    features = {"premise": datasets.Value("string"), "hypothesis": datasets.Value("string")} if pair else \
-        {"sentence": datasets.Value("string")}
+    features = (
+        {"premise": datasets.Value("string"), "hypothesis": datasets.Value("string")}
+        if pair
+        else {"sentence": datasets.Value("string")}
+    )
     features = datasets.Features(
         {**features, "label": datasets.ClassLabel(names=["entailment", "neutral", "contradiction"])}
     )
@@ -62,7 +70,11 @@ def test_glue_test_split_with_placeholder_labels_gets_predictions_only(finetune,
     out = tmp_path / "out"
     metrics = finetune.main(
         script_args(
-            model_name_or_path=files / "mlm", dataset_name=data, output_dir=out, max_steps=2, save_strategy="no",
+            model_name_or_path=files / "mlm",
+            dataset_name=data,
+            output_dir=out,
+            max_steps=2,
+            save_strategy="no",
         )
     )
     assert "eval_accuracy" in metrics
@@ -94,7 +106,11 @@ def test_mnli_split_names_are_evaluated(finetune, files, tmp_path):
     out = tmp_path / "out"
     metrics = finetune.main(
         script_args(
-            model_name_or_path=files / "mlm", dataset_name=data, output_dir=out, max_steps=2, save_strategy="no",
+            model_name_or_path=files / "mlm",
+            dataset_name=data,
+            output_dir=out,
+            max_steps=2,
+            save_strategy="no",
         )
     )
     assert "eval_accuracy" in metrics and not [k for k in metrics if k.startswith("test")]
@@ -170,8 +186,12 @@ def test_token_classification_reports_entity_scores(finetune, files, tmp_path):
     train, dev = write_jsonl(tmp_path / "ner.jsonl", rows), write_jsonl(tmp_path / "dev.jsonl", rows[:4])
     metrics = finetune.main(
         script_args(
-            model_name_or_path=files / "mlm", output_dir=tmp_path / "ner", train_file=train, validation_file=dev,
-            max_steps=2, save_strategy="no",
+            model_name_or_path=files / "mlm",
+            output_dir=tmp_path / "ner",
+            train_file=train,
+            validation_file=dev,
+            max_steps=2,
+            save_strategy="no",
         )
     )
     assert {"eval_accuracy", "eval_precision", "eval_recall", "eval_f1"} <= set(metrics)
@@ -197,8 +217,15 @@ def test_pack_sequences_gives_the_padded_runs_loss(finetune, files, tmp_path):
         out = tmp_path / name
         finetune.main(
             script_args(
-                *extra, model_name_or_path=tmp_path / "no_dropout", output_dir=out, train_file=train, max_steps=1,
-                per_device_train_batch_size=12, learning_rate=0, save_strategy="no", task_type="token",
+                *extra,
+                model_name_or_path=tmp_path / "no_dropout",
+                output_dir=out,
+                train_file=train,
+                max_steps=1,
+                per_device_train_batch_size=12,
+                learning_rate=0,
+                save_strategy="no",
+                task_type="token",
             )
         )
         losses[name] = [
@@ -218,7 +245,10 @@ def test_finetune_resume_from_checkpoint_true_takes_the_latest_checkpoint(finetu
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     out = tmp_path / "cls"
     common = script_args(
-        model_name_or_path=files / "mlm", output_dir=out, train_file=train, per_device_train_batch_size=4,
+        model_name_or_path=files / "mlm",
+        output_dir=out,
+        train_file=train,
+        per_device_train_batch_size=4,
     )
     finetune.main([*common, "--max_steps", "2", "--save_steps", "1"])
     assert (out / "checkpoint-2").is_dir()
@@ -321,8 +351,16 @@ def test_pretrain_streaming_from_local_files(pretrain, files, tmp_path, fmt):
     out = tmp_path / "out"
     pretrain.main(
         script_args(
-            output_dir=out, train_file=path, streaming=True, max_steps=3, save_steps=2, model_size="debug",
-            max_seq_length=32, tokenizer_vocab_size=300, tokenizer_train_samples=60, per_device_train_batch_size=4,
+            output_dir=out,
+            train_file=path,
+            streaming=True,
+            max_steps=3,
+            save_steps=2,
+            model_size="debug",
+            max_seq_length=32,
+            tokenizer_vocab_size=300,
+            tokenizer_train_samples=60,
+            per_device_train_batch_size=4,
         )
     )
     facts = json.loads((out / "training_facts.json").read_text())
@@ -360,8 +398,15 @@ def test_pretrain_pack_sequences(pretrain, files, tmp_path):
     out = tmp_path / "packed"
     pretrain.main(
         script_args(
-            output_dir=out, train_file=files / "train.txt", pack_sequences=True, max_steps=2, model_size="debug",
-            max_seq_length=32, tokenizer_vocab_size=300, per_device_train_batch_size=4, save_strategy="no",
+            output_dir=out,
+            train_file=files / "train.txt",
+            pack_sequences=True,
+            max_steps=2,
+            model_size="debug",
+            max_seq_length=32,
+            tokenizer_vocab_size=300,
+            per_device_train_batch_size=4,
+            save_strategy="no",
         )
     )
     assert json.loads((out / "training_facts.json").read_text())["hyperparameters"]["pack_sequences"] is True

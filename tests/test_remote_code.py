@@ -41,7 +41,7 @@ print(json.dumps(report))
 
 def test_trust_remote_code_load_without_package(debug_config, batch, tmp_path):
     input_ids, attention_mask, token_type_ids = batch
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
     torch.save(inputs, tmp_path / "inputs.pt")
     torch.manual_seed(0)
     models, cases = {}, []
@@ -190,8 +190,10 @@ def test_the_hub_files_do_no_work_at_import_load_or_forward(debug_config, batch,
     assert CODE_FILES == ("configuration_bert_impl.py", "modeling_bert_impl.py")
     input_ids, attention_mask, token_type_ids = batch
     labels = torch.where(attention_mask.bool() & (torch.arange(input_ids.size(1)) % 3 == 0), input_ids, -100)
-    torch.save(dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels),
-               tmp_path / "inputs.pt")
+    torch.save(
+        {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids, "labels": labels},
+        tmp_path / "inputs.pt",
+    )
     torch.manual_seed(0)
     saved = []
     for cls, auto, _ in CASES:
@@ -199,7 +201,7 @@ def test_the_hub_files_do_no_work_at_import_load_or_forward(debug_config, batch,
         model.save_pretrained(tmp_path / cls.__name__)
         assert sorted(p.name for p in (tmp_path / cls.__name__).glob("*.py")) == sorted(CODE_FILES)
         saved.append([auto, str(tmp_path / cls.__name__)])
-    job = json.dumps(dict(inputs=str(tmp_path / "inputs.pt"), models=saved))
+    job = json.dumps({"inputs": str(tmp_path / "inputs.pt"), "models": saved})
     code = AUDIT.format(hub_files=repr(set(CODE_FILES)), job=job)
     proc = run_without_package(code, cwd=tmp_path, env_extra={"HF_HOME": str(tmp_path / "hf_home")})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -250,20 +252,20 @@ print(json.dumps(report))
 
 def test_remote_code_model_is_the_plain_model_and_quantizes(debug_config, batch, tmp_path):
     """Every head saved by the package and loaded by trust_remote_code without it: each module that holds a matrix
-    (embedding tables aside) is exactly torch.nn.Linear, the linears are the package model's, and
-    torch.ao.quantization.quantize_dynamic({nn.Linear}) replaces every one of them by its dynamic int8 Linear (none
-    left in float); the quantized model runs, and differs from the float one (the int8 GEMMs ran) by less than 1 (a
-sanity bound: a wrongly quantized layer is far off). Control:
-    transformers' BertModel at the same weights (to_hf_bert) has the same number of linear weight elements."""
+        (embedding tables aside) is exactly torch.nn.Linear, the linears are the package model's, and
+        torch.ao.quantization.quantize_dynamic({nn.Linear}) replaces every one of them by its dynamic int8 Linear (none
+        left in float); the quantized model runs, and differs from the float one (the int8 GEMMs ran) by less than 1 (a
+    sanity bound: a wrongly quantized layer is far off). Control:
+        transformers' BertModel at the same weights (to_hf_bert) has the same number of linear weight elements."""
     from torch import nn
 
     from hf_bert_impl import HEADS, BertImplForQuestionAnswering
     from hf_bert_impl.convert import to_hf_bert
 
     input_ids, attention_mask, token_type_ids = batch
-    plain = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    plain = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
     mc = {k: v[:12].reshape(4, 3, -1) for k, v in plain.items()}  # (b, c, s) for multiple choice
-    torch.save(dict(plain=plain, mc=mc), tmp_path / "inputs.pt")
+    torch.save({"plain": plain, "mc": mc}, tmp_path / "inputs.pt")
     torch.manual_seed(0)
     saved, ours = [], {}
     for auto, cls in HEADS.items():
@@ -271,7 +273,7 @@ sanity bound: a wrongly quantized layer is far off). Control:
         model.save_pretrained(tmp_path / cls.__name__)
         saved.append([auto.__name__, str(tmp_path / cls.__name__)])
         ours[auto.__name__] = model
-    job = json.dumps(dict(inputs=str(tmp_path / "inputs.pt"), models=saved))
+    job = json.dumps({"inputs": str(tmp_path / "inputs.pt"), "models": saved})
     proc = run_without_package(PLAIN.format(job=job), cwd=tmp_path, env_extra={"HF_HOME": str(tmp_path / "hf_home")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -284,8 +286,10 @@ sanity bound: a wrongly quantized layer is far off). Control:
         assert r["matrices"] == r["linears"], (auto, r["matrices"])
         assert r["quantized"] == want and r["left"] == [], (auto, r["quantized"], r["left"])
         assert 0 < r["float_vs_quantized"] < 1.0, (auto, r["float_vs_quantized"])
-    print("\nquantized linears per head (max |float - int8| of the first output): " + ", ".join(
-        f"{a}: {len(r['quantized'])} ({r['float_vs_quantized']:.1e})" for a, r in report.items()))
+    print(
+        "\nquantized linears per head (max |float - int8| of the first output): "
+        + ", ".join(f"{a}: {len(r['quantized'])} ({r['float_vs_quantized']:.1e})" for a, r in report.items())
+    )
 
     base = ours["AutoModel"]  # control: transformers' BertModel, the same weights, the same linear weights in total
     hf = to_hf_bert(base)

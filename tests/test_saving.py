@@ -218,8 +218,10 @@ def _mount_and_save(mounts: dict[str, Path], pair, tokenizer) -> dict:
         if libc.unshare(CLONE_NEWNS) != 0:
             report = {"skip": f"unshare(CLONE_NEWNS) failed: {os.strerror(ctypes.get_errno())}"}
             return
-        for command in (["mount", "--make-rprivate", "/"],  # first: no mount below may propagate out
-                        *(["mount", "-t", "tmpfs", "tmpfs", str(folder)] for folder in mounts.values())):
+        for command in (
+            ["mount", "--make-rprivate", "/"],  # first: no mount below may propagate out
+            *(["mount", "-t", "tmpfs", "tmpfs", str(folder)] for folder in mounts.values()),
+        ):
             done = subprocess.run(command, capture_output=True, text=True, timeout=30)
             if done.returncode != 0:
                 report = {"skip": f"{' '.join(command)} failed: {done.stderr.strip()[:200]}"}
@@ -229,8 +231,12 @@ def _mount_and_save(mounts: dict[str, Path], pair, tokenizer) -> dict:
             mounted, device = os.path.ismount(folder), os.stat(folder).st_dev
             save(folder, pair[which], tokenizer)
             _check_saved(folder, which, pair[which], tokenizer, {})
-            report[name] = {"mounted_before": mounted, "mounted_after": os.path.ismount(folder),
-                            "same_device": os.stat(folder).st_dev == device, "files": sorted(os.listdir(folder))}
+            report[name] = {
+                "mounted_before": mounted,
+                "mounted_after": os.path.ismount(folder),
+                "same_device": os.stat(folder).st_dev == device,
+                "files": sorted(os.listdir(folder)),
+            }
     except FileNotFoundError as e:  # no mount command
         report = {"skip": f"cannot mount here: {e}"}
     except BaseException:
@@ -343,6 +349,7 @@ def _fork(action, kill_after=None, log=None) -> int:
                     f.write(f"{kind} {os.path.relpath(target, os.path.dirname(log))}\n")
                 done.append(kind)
                 return real[kind](path, *rest, **kwargs)
+
             return call
 
         def arm(staging):
@@ -381,6 +388,7 @@ def test_save_killed_after_each_file_move_leaves_every_file_complete(tmp_path, d
                 new.save_pretrained(staging, **shards)
                 new_tokenizer.save_pretrained(staging)
                 arm(staging)  # the block is done: from here on, the moves
+
         return action
 
     old = _old_save(tmp_path / "old", debug_config, sharded=old_sharded)
@@ -431,8 +439,12 @@ def test_save_killed_after_each_file_move_leaves_every_file_complete(tmp_path, d
     weights = sorted(n for n in new_files if saving.WEIGHTS_FILE.fullmatch(n))
     stale = sorted(n for n in old_files if saving.WEIGHTS_FILE.fullmatch(n) and n not in new_files)
     others = sorted(n for n in new_files if n not in weights and n != "config.json")
-    assert full_log == ([("replace", n) for n in weights] + [("remove", n) for n in stale]
-                        + [("replace", n) for n in others] + [("replace", "config.json")]), full_log
+    assert full_log == (
+        [("replace", n) for n in weights]
+        + [("remove", n) for n in stale]
+        + [("replace", n) for n in others]
+        + [("replace", "config.json")]
+    ), full_log
     assert k == len(full_log) and len(outcomes) == k + 1
     assert "mixed" not in outcomes and outcomes[0] == "old" and outcomes[-1] == "new", outcomes
     # a new model.safetensors is read at once; an old one is read (before any index) until it is removed
@@ -518,5 +530,7 @@ def test_staged_files_have_the_usual_permissions(tmp_path, debug_config):
     assert mode(tmp_path / "staged") == mode(tmp_path / "plain")
     for name in ("config.json", "model.safetensors", "modeling_bert_impl.py"):
         assert mode(tmp_path / "staged" / name) == mode(tmp_path / "plain" / name), name
-    assert hashlib.sha256((tmp_path / "staged" / "model.safetensors").read_bytes()).digest() == hashlib.sha256(
-        (tmp_path / "plain" / "model.safetensors").read_bytes()).digest()
+    assert (
+        hashlib.sha256((tmp_path / "staged" / "model.safetensors").read_bytes()).digest()
+        == hashlib.sha256((tmp_path / "plain" / "model.safetensors").read_bytes()).digest()
+    )

@@ -174,9 +174,16 @@ def test_pretrain_mlm_writes_a_complete_hub_directory(pretrain, files, tmp_path)
     out = tmp_path / "mlm"
     metrics = pretrain.main(
         script_args(
-            output_dir=out, train_file=files / "train.txt", validation_file=files / "valid.txt", model_size="debug",
-            max_seq_length=32, tokenizer_vocab_size=300, whole_word_mask=True, max_steps=4,
-            per_device_train_batch_size=4, save_strategy="no",
+            output_dir=out,
+            train_file=files / "train.txt",
+            validation_file=files / "valid.txt",
+            model_size="debug",
+            max_seq_length=32,
+            tokenizer_vocab_size=300,
+            whole_word_mask=True,
+            max_steps=4,
+            per_device_train_batch_size=4,
+            save_strategy="no",
         )
     )
     recomputed = recomputed_accuracies(out, files / "valid.txt", seed=5, max_seq_length=32, whole_word_mask=True)
@@ -206,9 +213,16 @@ def test_pretrain_with_next_sentence_prediction(pretrain, files, tmp_path):
     out = tmp_path / "nsp"
     metrics = pretrain.main(
         script_args(
-            output_dir=out, train_file=files / "train.txt", validation_file=files / "valid.txt",
-            tokenizer_name=files / "mlm", model_size="debug", max_seq_length=48, nsp=True, max_steps=3,
-            per_device_train_batch_size=4, save_strategy="no",
+            output_dir=out,
+            train_file=files / "train.txt",
+            validation_file=files / "valid.txt",
+            tokenizer_name=files / "mlm",
+            model_size="debug",
+            max_seq_length=48,
+            nsp=True,
+            max_steps=3,
+            per_device_train_batch_size=4,
+            save_strategy="no",
         )
     )
     recomputed = recomputed_accuracies(out, files / "valid.txt", seed=5, max_seq_length=48, nsp=True)
@@ -223,8 +237,14 @@ def test_pretrain_continues_from_a_transformers_bert_checkpoint(pretrain, minilm
     out = tmp_path / "cont"
     pretrain.main(
         script_args(
-            output_dir=out, model_name_or_path=minilm_dir, max_seq_length=16, max_train_samples=8, max_eval_samples=4,
-            max_steps=2, per_device_train_batch_size=2, save_strategy="no",
+            output_dir=out,
+            model_name_or_path=minilm_dir,
+            max_seq_length=16,
+            max_train_samples=8,
+            max_eval_samples=4,
+            max_steps=2,
+            per_device_train_batch_size=2,
+            save_strategy="no",
         )
     )
     config, facts = assert_hub_directory(out, "BertImplForMaskedLM")
@@ -239,8 +259,15 @@ def test_pretrain_training_flags(pretrain, files, tmp_path, flag):
     out = tmp_path / flag.strip("-")
     pretrain.main(
         script_args(
-            flag, output_dir=out, train_file=files / "train.txt", tokenizer_name=files / "mlm", model_size="debug",
-            max_seq_length=16, max_steps=2, per_device_train_batch_size=4, validation_split_percentage=0,
+            flag,
+            output_dir=out,
+            train_file=files / "train.txt",
+            tokenizer_name=files / "mlm",
+            model_size="debug",
+            max_seq_length=16,
+            max_steps=2,
+            per_device_train_batch_size=4,
+            validation_split_percentage=0,
             save_strategy="no",
         )
     )
@@ -274,9 +301,14 @@ def test_finetune_sentence_pairs_with_string_labels_and_unlabelled_test_file(fin
     out = tmp_path / "pairs"
     metrics = finetune.main(
         script_args(
-            model_name_or_path=files / "mlm", output_dir=out, train_file=tmp_path / "train.csv",
-            validation_file=tmp_path / "dev.csv", test_file=tmp_path / "test.csv", max_steps=3,
-            per_device_train_batch_size=8, save_strategy="no",
+            model_name_or_path=files / "mlm",
+            output_dir=out,
+            train_file=tmp_path / "train.csv",
+            validation_file=tmp_path / "dev.csv",
+            test_file=tmp_path / "test.csv",
+            max_steps=3,
+            per_device_train_batch_size=8,
+            save_strategy="no",
         )
     )
     assert set(metrics) >= {"eval_accuracy", "eval_f1", "eval_matthews_correlation", "eval_loss"}
@@ -296,8 +328,13 @@ def test_finetune_regression_on_float_labels(finetune, files, tmp_path):
     out = tmp_path / "reg"
     metrics = finetune.main(
         script_args(
-            model_name_or_path=files / "mlm", output_dir=out, train_file=train, validation_file=dev, max_steps=2,
-            per_device_train_batch_size=7, save_strategy="no",
+            model_name_or_path=files / "mlm",
+            output_dir=out,
+            train_file=train,
+            validation_file=dev,
+            max_steps=2,
+            per_device_train_batch_size=7,
+            save_strategy="no",
         )
     )
     assert {"eval_pearson", "eval_spearmanr", "eval_mse"} <= set(metrics)
@@ -337,8 +374,13 @@ def test_finetune_token_classification_aligns_word_labels(finetune, files, tmp_p
     out = tmp_path / "ner"
     metrics = finetune.main(
         script_args(
-            model_name_or_path=files / "mlm", output_dir=out, train_file=train, validation_file=dev, max_steps=2,
-            per_device_train_batch_size=6, save_strategy="no",
+            model_name_or_path=files / "mlm",
+            output_dir=out,
+            train_file=train,
+            validation_file=dev,
+            max_steps=2,
+            per_device_train_batch_size=6,
+            save_strategy="no",
         )
     )
     assert {"eval_accuracy", "eval_precision", "eval_recall", "eval_f1"} <= set(metrics)  # seqeval, IOB tags
@@ -359,9 +401,17 @@ def test_finetune_early_stopping_stops_when_the_eval_loss_stalls(finetune, files
     out = tmp_path / "es"
     finetune.main(
         script_args(
-            model_name_or_path=files / "mlm", output_dir=out, train_file=train, validation_file=train,
-            num_train_epochs=20, per_device_train_batch_size=8, learning_rate=0, eval_strategy="epoch",
-            save_strategy="epoch", load_best_model_at_end=True, early_stopping_patience=1,
+            model_name_or_path=files / "mlm",
+            output_dir=out,
+            train_file=train,
+            validation_file=train,
+            num_train_epochs=20,
+            per_device_train_batch_size=8,
+            learning_rate=0,
+            eval_strategy="epoch",
+            save_strategy="epoch",
+            load_best_model_at_end=True,
+            early_stopping_patience=1,
         )
     )
     state = json.loads((out / "trainer_state.json").read_text())
@@ -377,8 +427,13 @@ def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_pa
     out = tmp_path / "topic"
     metrics = finetune.main(
         script_args(
-            model_name_or_path=files / "mlm", output_dir=out, max_steps=2, per_device_train_batch_size=16,
-            per_device_eval_batch_size=128, max_seq_length=48, save_strategy="no",
+            model_name_or_path=files / "mlm",
+            output_dir=out,
+            max_steps=2,
+            per_device_train_batch_size=16,
+            per_device_eval_batch_size=128,
+            max_seq_length=48,
+            save_strategy="no",
         )
     )
     task = statement_topic_task()
@@ -569,9 +624,7 @@ def _built_model(script, monkeypatch) -> dict:
     return seen
 
 
-def test_pretrain_mlm_applies_the_speed_layer_and_saves_the_plain_model(
-    pretrain, files, tmp_path, monkeypatch
-):
+def test_pretrain_mlm_applies_the_speed_layer_and_saves_the_plain_model(pretrain, files, tmp_path, monkeypatch):
     """Default --kernels auto: the model trains kernelized (the table's kernels) with sparse prediction, recorded in
     training_facts.json (the setting, the kernels per mode, how many modules run each kernel function, sparse
     prediction), and the save is the plain model's: config.json without a kernels field, sparse_prediction off, the
@@ -589,8 +642,14 @@ def test_pretrain_mlm_applies_the_speed_layer_and_saves_the_plain_model(
     link = tmp_path / "link"
     link.symlink_to(target, target_is_directory=True)
     common = script_args(
-        train_file=files / "train.txt", tokenizer_name=files / "mlm", model_size="debug", max_seq_length=16,
-        max_steps=2, per_device_train_batch_size=4, validation_split_percentage=0, save_strategy="no",
+        train_file=files / "train.txt",
+        tokenizer_name=files / "mlm",
+        model_size="debug",
+        max_seq_length=16,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        validation_split_percentage=0,
+        save_strategy="no",
     )
     with pytest.raises(UsageError, match="--kernels: kernels must be .* got 'fastest'"):
         pretrain.main(["--output_dir", str(tmp_path / "bad"), *common, "--kernels", "fastest"])
@@ -651,8 +710,14 @@ def test_pretraining_dropout_is_off_while_pretraining_and_the_saved_config_keeps
     from hf_bert_impl.cli import UsageError
 
     common = script_args(
-        train_file=files / "train.txt", tokenizer_name=files / "mlm", model_size="debug", max_seq_length=16,
-        max_steps=2, per_device_train_batch_size=4, validation_split_percentage=0, save_strategy="no",
+        train_file=files / "train.txt",
+        tokenizer_name=files / "mlm",
+        model_size="debug",
+        max_seq_length=16,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        validation_split_percentage=0,
+        save_strategy="no",
     )
     seen = _built_model(pretrain, monkeypatch)
     runs = {
@@ -660,8 +725,11 @@ def test_pretraining_dropout_is_off_while_pretraining_and_the_saved_config_keeps
         "0.25": ["--pretraining_dropout", "0.25"],
         "config": ["--pretraining_dropout", "config", "--config_overrides", "hidden_dropout_prob=0.2"],
     }
-    expected = {"default": ([0.0, 0.0], [0.1, 0.1]), "0.25": ([0.25, 0.25], [0.1, 0.1]),
-                "config": ([0.2, 0.1], [0.2, 0.1])}
+    expected = {
+        "default": ([0.0, 0.0], [0.1, 0.1]),
+        "0.25": ([0.25, 0.25], [0.1, 0.1]),
+        "config": ([0.2, 0.1], [0.2, 0.1]),
+    }
     for name, options in runs.items():
         out = tmp_path / name
         pretrain.main(["--output_dir", str(out), *common, *options])

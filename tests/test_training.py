@@ -52,9 +52,7 @@ def mlm_rows(n: int, seed: int = 0, learnable: bool = False):
         labels[i, pos] = input_ids[i, pos]
         input_ids[i, pos] = 4  # [MASK]
     input_ids = input_ids * attention_mask
-    return [
-        {"input_ids": input_ids[i], "attention_mask": attention_mask[i], "labels": labels[i]} for i in range(n)
-    ]
+    return [{"input_ids": input_ids[i], "attention_mask": attention_mask[i], "labels": labels[i]} for i in range(n)]
 
 
 def train(model, rows, tmp_path, **kw):

@@ -2,6 +2,6 @@
 
 from pathlib import Path
 
+
 # evaluate.load(METRIC_PATH, config) loads the module from this directory, no Hub needed.
 METRIC_PATH = str(Path(__file__).resolve().parent / "bert_impl_metrics")
-

@@ -22,11 +22,11 @@ Configurations:
 
 import re
 
-
 import datasets
 import evaluate
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef, mean_squared_error
+
 
 _DESCRIPTION = "Classification, regression and token-classification metrics for hf-bert-impl, computed offline."
 _CITATION = ""
@@ -72,20 +72,25 @@ class BertImplMetrics(evaluate.Metric):
             refs = [r for row in rows for _, r in row]
             out = {"accuracy": float(accuracy_score(refs, preds))}
             if label_names is not None and all(_IOB_TAG.fullmatch(str(n)) for n in label_names):
-                from seqeval.metrics import f1_score as entity_f1, precision_score, recall_score
+                from seqeval.metrics import f1_score as entity_f1
+                from seqeval.metrics import precision_score, recall_score
 
                 true = [[str(label_names[r]) for _, r in row] for row in rows]
                 pred = [[str(label_names[p]) for p, _ in row] for row in rows]
-                out.update({
-                    "precision": float(precision_score(true, pred, zero_division=0)),
-                    "recall": float(recall_score(true, pred, zero_division=0)),
-                    "f1": float(entity_f1(true, pred, zero_division=0)),
-                })
+                out.update(
+                    {
+                        "precision": float(precision_score(true, pred, zero_division=0)),
+                        "recall": float(recall_score(true, pred, zero_division=0)),
+                        "f1": float(entity_f1(true, pred, zero_division=0)),
+                    }
+                )
             else:
-                out.update({
-                    "f1_macro": float(f1_score(refs, preds, average="macro", zero_division=0)),
-                    "f1_micro": float(f1_score(refs, preds, average="micro", zero_division=0)),
-                })
+                out.update(
+                    {
+                        "f1_macro": float(f1_score(refs, preds, average="macro", zero_division=0)),
+                        "f1_micro": float(f1_score(refs, preds, average="micro", zero_division=0)),
+                    }
+                )
             return out
         binary = set(references) <= {0, 1} and set(predictions) <= {0, 1}
         return {
