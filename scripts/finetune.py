@@ -115,6 +115,15 @@ class ModelArguments:
     )
     kernels: str = field(default="auto", metadata={"help": cli.KERNELS_HELP})
 
+    def __post_init__(self):
+        if not self.model_name_or_path:
+            raise cli.UsageError(
+                "--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)"
+            )
+        if self.task_type not in ("sequence", "token", "auto"):
+            raise cli.UsageError(f"--task_type must be sequence, token or auto, got {self.task_type!r}")
+        cli.check_kernels_argument(self.kernels)
+
 
 @dataclass
 class DataArguments:
@@ -160,14 +169,23 @@ class DataArguments:
         },
     )
 
+    def __post_init__(self):
+        if self.dataset_name and (self.train_file or self.validation_file or self.test_file):
+            raise cli.UsageError(
+                f"--dataset_name {self.dataset_name} and --train_file / --validation_file / --test_file "
+                "are exclusive: give one data source"
+            )
+        if not self.train_file and (self.validation_file or self.test_file):
+            raise cli.UsageError("--validation_file / --test_file need --train_file")
+        if not (self.dataset_name or self.train_file) and self.embedded_task not in D.EMBEDDED_TASKS:
+            raise cli.UsageError(
+                f"--embedded_task must be one of {sorted(D.EMBEDDED_TASKS)}, got {self.embedded_task!r}"
+            )
+
 
 def load_data(data_args: DataArguments, seed: int):
-    """-> (DatasetDict, description, where each split came from for error messages)."""
-    if data_args.dataset_name and (data_args.train_file or data_args.validation_file or data_args.test_file):
-        raise cli.UsageError(
-            f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file / --test_file "
-            "are exclusive: give one data source"
-        )
+    """-> (DatasetDict, description, where each split came from for error messages); DataArguments checked the
+    choice of source."""
     if data_args.dataset_name:
         raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
         return raw, data_args.dataset_name, {k: f"{data_args.dataset_name} ({k} split)" for k in raw}
@@ -175,12 +193,6 @@ def load_data(data_args: DataArguments, seed: int):
         raw = D.load_data_files(data_args.train_file, data_args.validation_file, data_args.test_file)
         files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
         return raw, Path(data_args.train_file).name, {k: f"--{k}_file {files[k]}" for k in raw}
-    if data_args.validation_file or data_args.test_file:
-        raise cli.UsageError("--validation_file / --test_file need --train_file")
-    if data_args.embedded_task not in D.EMBEDDED_TASKS:
-        raise cli.UsageError(
-            f"--embedded_task must be one of {sorted(D.EMBEDDED_TASKS)}, got {data_args.embedded_task!r}"
-        )
     raw = D.EMBEDDED_TASKS[data_args.embedded_task]()  # fixed seed: the task stays the same whatever --seed trains it
     description = EMBEDDED_TASKS[data_args.embedded_task]
     return raw, description, {k: f"embedded task {data_args.embedded_task} ({k} split)" for k in raw}
@@ -237,9 +249,7 @@ def resolve_task(model_args, data_args, train) -> str:
             )
         )
         return "token" if is_token else "sequence"
-    if model_args.task_type not in ("sequence", "token"):
-        raise cli.UsageError(f"--task_type must be sequence, token or auto, got {model_args.task_type!r}")
-    return model_args.task_type
+    return model_args.task_type  # sequence or token: ModelArguments checked it
 
 
 def sentence_keys(data_args, train, source) -> tuple[str, str | None]:
@@ -316,8 +326,22 @@ def load_model(model_args, model_class, **config_kwargs):
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the fine-tuning; returns the final metrics (eval_* and, when the test split has real labels, test_*)."""
+@dataclass
+class LabelSetup:
+    """What the training split says about the task: which columns hold the text and the labels, and the classes."""
+
+    task: str  # "sequence" or "token"
+    keys: tuple[str, str | None]  # the text column(s); for token classification (tokens column, None)
+    label_col: str
+    is_regression: bool
+    label_names: list[str] | None
+    label2id: dict[str, int] | None
+    unlabeled: dict[str, str]  # split -> why it gets predictions only
+
+
+def parse_arguments(argv: list[str] | None = None) -> tuple:
+    """(model, data, training) arguments from the flags or a JSON file; each dataclass checks its own fields in
+    `__post_init__`, the checks that span two of them are here."""
     model_args, data_args, training_args = cli.parse_script_arguments(
         (ModelArguments, DataArguments, TrainingArguments), argv, logger
     )
@@ -325,12 +349,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise cli.UsageError(
             "--early_stopping_patience needs --load_best_model_at_end with matching --eval_strategy / --save_strategy"
         )
+    return model_args, data_args, training_args
 
-    cli.check_kernels_argument(model_args.kernels)
-    resume = cli.resolve_resume_argument(training_args)
 
-    set_seed(training_args.seed)
-    raw, dataset_source, sources = load_data(data_args, training_args.seed)
+def resolve_labels(model_args, data_args, raw, dataset_source: str, sources: dict) -> LabelSetup:
+    """Check every split's columns and labels before the model or tokenizer is touched; splits whose labels are
+    all placeholders lose their label column (predictions only). -> the task's columns and classes."""
     if "train" not in raw:
         raise cli.UsageError(f"{dataset_source}: no train split")
     train_src = sources["train"]
@@ -340,15 +364,12 @@ def main(argv: list[str] | None = None) -> dict:
             "--pack_sequences needs token classification (--task_type token): a packed row holds several "
             "sequences, and a sequence-classification head reads one [CLS] per row"
         )
-
-    # Check every split's columns and labels before the model or tokenizer is touched.
     if task == "token":
         tags_col = data_args.tags_column or next((c for c in TAG_COLUMNS if c in raw["train"].column_names), None)
         if tags_col is None:
             raise cli.UsageError(f"{train_src}: no tag column; expected one of {list(TAG_COLUMNS)} or --tags_column")
         for split, ds in raw.items():
             D.check_columns(ds, [data_args.tokens_column] + ([tags_col] if split == "train" else []), sources[split])
-        is_regression = False
         keys = (data_args.tokens_column, None)
     else:
         keys = sentence_keys(data_args, raw["train"], train_src)
@@ -358,8 +379,19 @@ def main(argv: list[str] | None = None) -> dict:
             )
         tags_col = None
     label_col = tags_col or data_args.label_column
-    # Placeholder labels: the split keeps its rows for predictions and loses the label column, so that
-    # nothing downstream (metrics, gold labels in predictions.jsonl) can read them as classes.
+    unlabeled = drop_placeholder_labels(raw, sources, label_col, task)
+    if task == "token":
+        is_regression, label_names = False, tag_scheme(raw["train"], tags_col, train_src)
+    else:
+        is_regression, label_names = label_scheme(raw["train"], data_args.label_column, train_src)
+    label2id = {name: i for i, name in enumerate(label_names)} if label_names else None
+    check_known_labels(raw, sources, label_col, label2id, label_names, task)
+    return LabelSetup(task, keys, label_col, is_regression, label_names, label2id, unlabeled)
+
+
+def drop_placeholder_labels(raw, sources, label_col: str, task: str) -> dict[str, str]:
+    """Placeholder labels: the split keeps its rows for predictions and loses the label column, so that nothing
+    downstream (metrics, gold labels in predictions.jsonl) can read them as classes. -> {split: why unlabeled}."""
     unlabeled = {}
     for split in list(raw):
         if label_col in raw[split].column_names and placeholder_labels(
@@ -378,11 +410,11 @@ def main(argv: list[str] | None = None) -> dict:
             unlabeled[split] = "placeholder labels (-1 / None): predictions only, no metrics"
         elif label_col not in raw[split].column_names and split != "train":
             unlabeled[split] = "no label column: predictions only, no metrics"
-    if task == "token":
-        label_names = tag_scheme(raw["train"], tags_col, train_src)
-    else:
-        is_regression, label_names = label_scheme(raw["train"], data_args.label_column, train_src)
-    label2id = {name: i for i, name in enumerate(label_names)} if label_names else None
+    return unlabeled
+
+
+def check_known_labels(raw, sources, label_col: str, label2id, label_names, task: str) -> None:
+    """Every split's labels (names or ids, not ClassLabel features) must occur in the training data."""
     for split, ds in raw.items():
         if (
             label2id is None
@@ -399,37 +431,38 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{sources[split]}: labels {unknown[:5]} do not occur in the training data {label_names}"
             )
 
-    if not model_args.model_name_or_path:
-        raise cli.UsageError(
-            "--model_name_or_path is required (a checkpoint from scripts/pretrain_mlm.py or a transformers BERT)"
-        )
+
+def load_tokenizer(model_args):
+    """--tokenizer_name, else the model's tokenizer; one line naming the flag when it cannot be loaded."""
     tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+        return AutoTokenizer.from_pretrained(tokenizer_source)
     except (OSError, ValueError) as e:
         flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
         raise cli.UsageError(
             f"{flag} {tokenizer_source}: no tokenizer could be loaded ({str(e).splitlines()[0]})"
         ) from e
-    if data_args.max_train_samples is not None:
-        raw["train"] = raw["train"].select(range(min(len(raw["train"]), data_args.max_train_samples)))
 
-    if task == "token":
+
+def build_model(model_args, labels: LabelSetup, tokenizer):
+    """The classification head for the task with its labels, under the speed layer (--kernels); its vocabulary
+    must cover the tokenizer's."""
+    if labels.task == "token":
         model_class = BertImplForTokenClassification
         config_kwargs = {
-            "num_labels": len(label_names),
-            "id2label": dict(enumerate(label_names)),
-            "label2id": label2id,
+            "num_labels": len(labels.label_names),
+            "id2label": dict(enumerate(labels.label_names)),
+            "label2id": labels.label2id,
         }
     else:
         model_class = BertImplForSequenceClassification
         config_kwargs = (
             {"num_labels": 1, "problem_type": "regression"}
-            if is_regression
+            if labels.is_regression
             else {
-                "num_labels": len(label_names),
-                "id2label": dict(enumerate(label_names)),
-                "label2id": label2id,
+                "num_labels": len(labels.label_names),
+                "id2label": dict(enumerate(labels.label_names)),
+                "label2id": labels.label2id,
                 "problem_type": "single_label_classification",
             }
         )
@@ -440,6 +473,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"the tokenizer has {len(tokenizer) if tokenizer else 0} tokens but the model's vocab_size is "
             f"{model.config.vocab_size}; pass a matching --tokenizer_name"
         )
+    return model
+
+
+def tokenize_splits(raw, tokenizer, labels: LabelSetup, data_args, training_args) -> dict:
+    """Every split tokenized (truncated to --max_seq_length), its labels as class ids (word labels aligned to
+    WordPieces for token classification)."""
+    keys, label_col, label2id = labels.keys, labels.label_col, labels.label2id
 
     def class_label_names(ds, column):
         feature = ds.features.get(column)
@@ -451,7 +491,7 @@ def main(argv: list[str] | None = None) -> dict:
         enc = tokenizer(*texts, truncation=True, max_length=data_args.max_seq_length)
         if label_col in batch:
             values = batch[label_col]
-            if is_regression:
+            if labels.is_regression:
                 enc["labels"] = [float(v) for v in values]
             else:
                 enc["labels"] = [label2id[names[v] if names else str(v)] for v in values]
@@ -467,9 +507,9 @@ def main(argv: list[str] | None = None) -> dict:
             enc["labels"] = all_labels
         return enc
 
-    preprocess = preprocess_tokens if task == "token" else preprocess_sequence
+    preprocess = preprocess_tokens if labels.task == "token" else preprocess_sequence
     with training_args.main_process_first(desc="tokenizing"):
-        encoded = {
+        return {
             split: ds.map(
                 preprocess,
                 batched=True,
@@ -480,8 +520,10 @@ def main(argv: list[str] | None = None) -> dict:
             for split, ds in raw.items()
         }
 
-    metric_name = "local"
-    metric = None
+
+def load_metric(data_args, labels: LabelSetup):
+    """-> (evaluate module, its name): GLUE's own metric for GLUE data when the Hub is reachable (--metric auto),
+    else the shipped module for the task."""
     if (
         data_args.metric == "auto"
         and data_args.dataset_name in ("glue", "nyu-mll/glue")
@@ -489,44 +531,50 @@ def main(argv: list[str] | None = None) -> dict:
         and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false")
     ):
         try:
-            metric, metric_name = evaluate.load("glue", data_args.dataset_config_name), "glue"
+            return evaluate.load("glue", data_args.dataset_config_name), "glue"
         except Exception as e:  # no network or no such task: the shipped module computes the same numbers
             logger.warning(
                 "evaluate.load('glue', %r) failed (%s); using the shipped metric module",
                 data_args.dataset_config_name,
                 e,
             )
-    if metric is None:
-        metric = evaluate.load(
-            METRIC_PATH,
-            "token_classification" if task == "token" else "regression" if is_regression else "classification",
-        )
+    kind = "token_classification" if labels.task == "token" else "regression" if labels.is_regression else None
+    return evaluate.load(METRIC_PATH, kind or "classification"), "local"
+
+
+def metrics_function(metric, labels: LabelSetup):
+    """Trainer's compute_metrics: `metric` over the predictions at the labelled positions."""
 
     def compute_metrics(eval_pred):
-        logits, labels = eval_pred.predictions, eval_pred.label_ids
-        if task == "token":
+        logits, label_ids = eval_pred.predictions, eval_pred.label_ids
+        if labels.task == "token":
             preds = logits.argmax(-1)
-            keep = labels != D.IGNORE_INDEX
+            keep = label_ids != D.IGNORE_INDEX
             return metric.compute(
                 predictions=[p[k].tolist() for p, k in zip(preds, keep)],
-                references=[l[k].tolist() for l, k in zip(labels, keep)],
-                label_names=label_names,
+                references=[l[k].tolist() for l, k in zip(label_ids, keep)],
+                label_names=labels.label_names,
             )
-        preds = logits.reshape(-1) if is_regression else logits.argmax(-1)
-        return metric.compute(predictions=preds.tolist(), references=labels.reshape(-1).tolist())
+        preds = logits.reshape(-1) if labels.is_regression else logits.argmax(-1)
+        return metric.compute(predictions=preds.tolist(), references=label_ids.reshape(-1).tolist())
 
+    return compute_metrics
+
+
+def build_trainer(model, tokenizer, encoded, labels: LabelSetup, compute_metrics, data_args, training_args):
+    """-> (Trainer, evaluation splits): the collator for the task, early stopping, and the primary labelled
+    validation split as Trainer's eval_dataset (the others are reported after training)."""
     if data_args.pack_sequences:
         # One row per batch, position_ids restarting at 0 per sequence: the model's packed path keeps
         # attention inside each sequence; labels get -100 at each sequence's first token ([CLS] already has it).
         collator = DataCollatorWithFlattening(return_position_ids=True)
-    elif task == "token":
+    elif labels.task == "token":
         collator = DataCollatorForTokenClassification(tokenizer)
     else:
         collator = DataCollatorWithPadding(tokenizer)
     cli.default_logging_steps(training_args, num_update_steps=None)
     callbacks = [EarlyStoppingCallback(data_args.early_stopping_patience)] if data_args.early_stopping_patience else []
-    validation_splits, predict_splits = split_roles(encoded)
-    eval_splits = [k for k in validation_splits if k not in unlabeled]
+    eval_splits = [k for k in split_roles(encoded)[0] if k not in labels.unlabeled]
     evaluation = encoded[eval_splits[0]] if eval_splits else None
     if evaluation is not None and eval_splits[0] != "validation":
         logger.info(
@@ -556,53 +604,79 @@ def main(argv: list[str] | None = None) -> dict:
             )
             // 50,
         )
-    train_result = trainer.train(resume_from_checkpoint=resume)
-    cli.save_trained(trainer, train_result)
+    return trainer, eval_splits
+
+
+def evaluate_splits(trainer, encoded, eval_splits) -> tuple[dict, dict]:
+    """-> (metrics of the primary evaluation split, metrics of the other labelled validation splits)."""
     final, other_metrics = {}, {}
-    if evaluation is not None:
+    if eval_splits:
         final.update(trainer.evaluate())
         trainer.log_metrics("eval", final)
         for split in eval_splits[1:]:  # e.g. MNLI's validation_mismatched
             other = trainer.evaluate(encoded[split], metric_key_prefix=split)
             other_metrics.update({k: v for k, v in other.items() if not k.endswith(BOOKKEEPING_SUFFIXES)})
             trainer.log_metrics(split, other)
-    # Predictions for every test split; without one, for the validation split(s).
-    predict_splits = predict_splits or validation_splits
+    return final, other_metrics
+
+
+def predict_splits(trainer, raw, encoded, labels: LabelSetup, data_args, final, other_metrics) -> dict[str, str]:
+    """Predictions for every test split (without one, for the validation split(s)) into predictions*.jsonl in
+    --output_dir; a test split with real labels adds its metrics to `final` ("test") or `other_metrics`.
+    -> {split: predictions file name}, the primary split first."""
+    validation_splits, test_splits = split_roles(encoded)
     predictions_files = {}
-    for n, split in enumerate(predict_splits):
+    for n, split in enumerate(test_splits or validation_splits):
         output = trainer.predict(encoded[split], metric_key_prefix=split)
-        if split.startswith("test") and split not in unlabeled and "labels" in encoded[split].column_names:
+        if split.startswith("test") and split not in labels.unlabeled and "labels" in encoded[split].column_names:
             if split == "test":
                 final.update({k: v for k, v in output.metrics.items() if k.startswith("test_")})
             else:
                 other_metrics.update({k: v for k, v in output.metrics.items() if not k.endswith(BOOKKEEPING_SUFFIXES)})
             trainer.log_metrics(split, output.metrics)
         if trainer.is_world_process_zero():
-            path = Path(training_args.output_dir) / ("predictions.jsonl" if n == 0 else f"predictions_{split}.jsonl")
+            path = Path(trainer.args.output_dir) / ("predictions.jsonl" if n == 0 else f"predictions_{split}.jsonl")
             write_predictions(
                 path,
                 raw[split],
                 output.predictions,
-                task,
-                is_regression,
-                label_names,
-                keys,
-                tokenizer,
+                labels.task,
+                labels.is_regression,
+                labels.label_names,
+                labels.keys,
+                trainer.processing_class,
                 data_args.max_seq_length,
-                label_col,
+                labels.label_col,
             )
             predictions_files[split] = path.name
             logger.info("wrote %d predictions for the %s split to %s", len(raw[split]), split, path)
-    predictions_file = Path(predictions_files[predict_splits[0]]) if predictions_files else None
+    return predictions_files
+
+
+def report(
+    trainer,
+    model,
+    labels: LabelSetup,
+    args,
+    dataset_source,
+    metric_name,
+    final,
+    other_metrics,
+    eval_splits,
+    predictions_files,
+) -> None:
+    """The end of the run: all_results.json, the kernels it ran, and (main process) the loss curve,
+    training_facts.json and the model card in --output_dir."""
+    model_args, data_args, training_args = args
+    first = next(iter(predictions_files), None)
     trainer.save_metrics("all", {**final, **other_metrics})
     kernels = cli.kernel_facts(model, model_args.kernels)
     if trainer.is_world_process_zero():
         cli.log_kernel_facts(kernels, logger)
-
     out = cli.finish_run(
         trainer,
         title=f"{type(model).__name__} fine-tuning",
-        task="token-classification" if task == "token" else "text-classification",
+        task="token-classification" if labels.task == "token" else "text-classification",
         dataset=dataset_source,
         base_model=model_args.model_name_or_path,
         hyperparameters={
@@ -617,16 +691,53 @@ def main(argv: list[str] | None = None) -> dict:
             k: v for k, v in final.items() if k.startswith("test_") and not k.endswith(BOOKKEEPING_SUFFIXES)
         },
         other_split_metrics=other_metrics or None,
-        unlabeled_splits=unlabeled or None,
+        unlabeled_splits=labels.unlabeled or None,
         predictions_files=predictions_files or None,
         dataset_config=data_args.dataset_config_name,
-        dataset_split=eval_splits[0] if evaluation is not None else None,
-        labels=label_names,
-        predictions_file=predictions_file.name if predictions_file else None,
+        dataset_split=eval_splits[0] if eval_splits else None,
+        labels=labels.label_names,
+        predictions_file=predictions_files[first] if first else None,
         kernels=kernels,
     )
     if out:
         logger.info("saved the model, tokenizer, predictions, loss curve and model card to %s", out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the fine-tuning; returns the final metrics (eval_* and, when the test split has real labels, test_*)."""
+    model_args, data_args, training_args = parse_arguments(argv)
+    resume = cli.resolve_resume_argument(training_args)
+    set_seed(training_args.seed)
+
+    raw, dataset_source, sources = load_data(data_args, training_args.seed)
+    labels = resolve_labels(model_args, data_args, raw, dataset_source, sources)
+    tokenizer = load_tokenizer(model_args)
+    if data_args.max_train_samples is not None:
+        raw["train"] = raw["train"].select(range(min(len(raw["train"]), data_args.max_train_samples)))
+
+    model = build_model(model_args, labels, tokenizer)
+    encoded = tokenize_splits(raw, tokenizer, labels, data_args, training_args)
+    metric, metric_name = load_metric(data_args, labels)
+    compute_metrics = metrics_function(metric, labels)
+    trainer, eval_splits = build_trainer(model, tokenizer, encoded, labels, compute_metrics, data_args, training_args)
+
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    cli.save_trained(trainer, train_result)
+
+    final, other_metrics = evaluate_splits(trainer, encoded, eval_splits)
+    predictions_files = predict_splits(trainer, raw, encoded, labels, data_args, final, other_metrics)
+    report(
+        trainer,
+        model,
+        labels,
+        (model_args, data_args, training_args),
+        dataset_source,
+        metric_name,
+        final,
+        other_metrics,
+        eval_splits,
+        predictions_files,
+    )
     return final
 
 

@@ -147,6 +147,16 @@ class ModelArguments:
     )
     kernels: str = field(default="auto", metadata={"help": cli.KERNELS_HELP})
 
+    def __post_init__(self):
+        pretraining_dropout_rate(self.pretraining_dropout)  # a UsageError naming a bad value
+        cli.check_kernels_argument(self.kernels)
+        if self.tokenizer_train_samples <= 0:
+            raise cli.UsageError(
+                f"--tokenizer_train_samples must be a positive integer, got {self.tokenizer_train_samples}"
+            )
+        if not (self.model_name_or_path or self.config_name) and self.model_size not in SIZE_PRESETS:
+            raise cli.UsageError(f"--model_size {self.model_size!r}: choose one of {list(SIZE_PRESETS)}")
+
 
 @dataclass
 class DataArguments:
@@ -201,6 +211,41 @@ class DataArguments:
         },
     )
 
+    def __post_init__(self):
+        if self.nsp and self.whole_word_mask:
+            raise cli.UsageError("--whole_word_mask is supported for MLM blocks only, not with --nsp")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise cli.UsageError(f"--mlm_probability must lie in (0, 1), got {self.mlm_probability}")
+        if self.eval_mlm_probability is None:
+            self.eval_mlm_probability = self.mlm_probability
+        if not 0.0 < self.eval_mlm_probability < 1.0:
+            raise cli.UsageError(f"--eval_mlm_probability must lie in (0, 1), got {self.eval_mlm_probability}")
+        if self.dataset_name and (self.train_file or self.validation_file):
+            raise cli.UsageError(
+                f"--dataset_name {self.dataset_name} and --train_file / --validation_file are exclusive: "
+                "give one data source"
+            )
+        if self.streaming and not (self.dataset_name or self.train_file):
+            raise cli.UsageError(
+                "--streaming needs --train_file (or --dataset_name): the embedded corpus is loaded whole"
+            )
+        if not (self.streaming or self.dataset_name or self.train_file) and self.validation_file:
+            raise cli.UsageError(f"--validation_file {self.validation_file} was given without --train_file")
+        if self.pack_sequences and self.nsp:
+            raise cli.UsageError(
+                "--pack_sequences packs MLM sequences; next-sentence prediction (--nsp) reads one pair per row"
+            )
+        if self.pack_sequences and self.whole_word_mask:
+            raise cli.UsageError(
+                "--pack_sequences cannot be combined with --whole_word_mask (packed rows carry no word offsets)"
+            )
+        if self.pack_sequences and self.static_masking:
+            raise cli.UsageError("--pack_sequences masks per batch; it cannot be combined with --static_masking")
+        if self.streaming and (self.nsp or self.static_masking):
+            raise cli.UsageError(
+                "--streaming supports MLM with per-batch masking only (not --nsp or --static_masking)"
+            )
+
 
 @dataclass
 class BudgetArguments:
@@ -218,6 +263,16 @@ class BudgetArguments:
         default=None,
         metadata={"help": "With --time_budget: evaluate every so many minutes of training time (and at the end)."},
     )
+
+    def __post_init__(self):
+        if self.eval_every_minutes is not None and self.time_budget is None:
+            raise cli.UsageError("--eval_every_minutes needs --time_budget (and validation data)")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise cli.UsageError(f"--time_budget must be a positive number of minutes, got {self.time_budget}")
+        if self.eval_every_minutes is not None and not self.eval_every_minutes > 0:
+            raise cli.UsageError(
+                f"--eval_every_minutes must be a positive number of minutes, got {self.eval_every_minutes}"
+            )
 
 
 def parse_config_overrides(text: str | None) -> dict:
@@ -241,12 +296,7 @@ def parse_config_overrides(text: str | None) -> dict:
 
 def load_raw_data(data_args: DataArguments, seed: int):
     """-> (DatasetDict with "train" and maybe "validation", dataset description for the model card).
-    With --streaming "train" is an IterableDataset, read lazily."""
-    if data_args.dataset_name and (data_args.train_file or data_args.validation_file):
-        raise cli.UsageError(
-            f"--dataset_name {data_args.dataset_name} and --train_file / --validation_file are exclusive: "
-            "give one data source"
-        )
+    With --streaming "train" is an IterableDataset, read lazily. DataArguments checked the choice of source."""
     if data_args.streaming:
         import datasets
 
@@ -255,13 +305,9 @@ def load_raw_data(data_args: DataArguments, seed: int):
                 data_args.dataset_name, data_args.dataset_config_name, split="train", streaming=True
             )
             source = data_args.dataset_name
-        elif data_args.train_file:
+        else:
             train = D.stream_data_file(data_args.train_file)
             source = Path(data_args.train_file).name
-        else:
-            raise cli.UsageError(
-                "--streaming needs --train_file (or --dataset_name): the embedded corpus is loaded whole"
-            )
         raw = {
             "train": train.filter(
                 lambda row: (
@@ -288,8 +334,6 @@ def load_raw_data(data_args: DataArguments, seed: int):
         raw = D.load_data_files(data_args.train_file, data_args.validation_file)
         source = Path(data_args.train_file).name
         files = {"train": data_args.train_file, "validation": data_args.validation_file}
-    elif data_args.validation_file:
-        raise cli.UsageError(f"--validation_file {data_args.validation_file} was given without --train_file")
     else:
         return D.default_corpus_dataset(), D.DEFAULT_CORPUS_NAME
     for split in raw:
@@ -316,6 +360,8 @@ def load_tokenizer(
     training_args=None,
     streaming: bool = False,
 ):
+    """--tokenizer_name, else the tokenizer of the checkpoint resumed from or of --model_name_or_path, else a
+    WordPiece tokenizer trained on the training texts (saved into --output_dir)."""
     if model_args.tokenizer_name:
         try:
             return AutoTokenizer.from_pretrained(model_args.tokenizer_name)
@@ -355,6 +401,9 @@ def load_tokenizer(
 
 
 def build_model(model_args: ModelArguments, tokenizer, nsp: bool):
+    """BertImplForMaskedLM (BertImplForPreTraining with --nsp): from --model_name_or_path (ours, or a transformers
+    BERT converted), else new from --config_name or the --model_size preset, with --config_overrides; its vocabulary
+    must cover the tokenizer's."""
     model_class = BertImplForPreTraining if nsp else BertImplForMaskedLM
     overrides = parse_config_overrides(model_args.config_overrides)
     try:
@@ -378,8 +427,6 @@ def build_model(model_args: ModelArguments, tokenizer, nsp: bool):
             if model_args.config_name:
                 config = BertImplConfig.from_pretrained(model_args.config_name, **overrides)
             else:
-                if model_args.model_size not in SIZE_PRESETS:
-                    raise cli.UsageError(f"--model_size {model_args.model_size!r}: choose one of {list(SIZE_PRESETS)}")
                 config = BertImplConfig.from_preset(
                     model_args.model_size, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **overrides
                 )
@@ -462,73 +509,42 @@ def compute_metrics(eval_pred):
 
 
 def parse_arguments(argv: list[str] | None = None) -> tuple:
-    """(model, data, budget, training) arguments from the flags or a JSON file, under RECIPE_DEFAULTS; checked."""
+    """(model, data, budget, training) arguments from the flags or a JSON file, under RECIPE_DEFAULTS; each dataclass
+    checks its own fields in `__post_init__`, the checks that span two of them are here."""
     model_args, data_args, budget_args, training_args = cli.parse_script_arguments(
         (ModelArguments, DataArguments, BudgetArguments, TrainingArguments), argv, logger, RECIPE_DEFAULTS
     )
-    if data_args.nsp and data_args.whole_word_mask:
-        raise cli.UsageError("--whole_word_mask is supported for MLM blocks only, not with --nsp")
-    if not 0.0 < data_args.mlm_probability < 1.0:
-        raise cli.UsageError(f"--mlm_probability must lie in (0, 1), got {data_args.mlm_probability}")
-    if data_args.eval_mlm_probability is None:
-        data_args.eval_mlm_probability = data_args.mlm_probability
-    if not 0.0 < data_args.eval_mlm_probability < 1.0:
-        raise cli.UsageError(f"--eval_mlm_probability must lie in (0, 1), got {data_args.eval_mlm_probability}")
-    cli.check_kernels_argument(model_args.kernels)
-    return model_args, data_args, budget_args, training_args
-
-
-def main(argv: list[str] | None = None) -> dict:
-    """Run the pretraining; returns the final evaluation metrics (empty without validation data)."""
-    model_args, data_args, budget_args, training_args = parse_arguments(argv)
-    dropout_rate = pretraining_dropout_rate(model_args.pretraining_dropout)
-
-    resume = cli.resolve_resume_argument(training_args)
-    budget = None
-    if budget_args.eval_every_minutes is not None and budget_args.time_budget is None:
-        raise cli.UsageError("--eval_every_minutes needs --time_budget (and validation data)")
-    if budget_args.time_budget is not None:
-        if not budget_args.time_budget > 0:
-            raise cli.UsageError(f"--time_budget must be a positive number of minutes, got {budget_args.time_budget}")
-        interval = budget_args.eval_every_minutes
-        if interval is not None and not interval > 0:
-            raise cli.UsageError(f"--eval_every_minutes must be a positive number of minutes, got {interval}")
-        budget = TimeBudget(budget_args.time_budget * 60, eval_interval=interval and interval * 60, resume_from=resume)
-        if training_args.max_steps <= 0:  # Trainer loops over the data for max_steps; the budget ends the run
-            training_args.max_steps = UNBOUNDED_MAX_STEPS
-
-    set_seed(training_args.seed)
-    raw, dataset_source = load_raw_data(data_args, training_args.seed)
-    if data_args.streaming and training_args.max_steps <= 0:
+    # A time budget runs Trainer for "unbounded" max_steps (make_time_budget), which a stream needs.
+    if data_args.streaming and training_args.max_steps <= 0 and budget_args.time_budget is None:
         raise cli.UsageError(
             "--streaming needs --max_steps or --time_budget: a stream has no length to count epochs in"
         )
-    if data_args.pack_sequences and data_args.nsp:
-        raise cli.UsageError(
-            "--pack_sequences packs MLM sequences; next-sentence prediction (--nsp) reads one pair per row"
-        )
-    if data_args.pack_sequences and data_args.whole_word_mask:
-        raise cli.UsageError(
-            "--pack_sequences cannot be combined with --whole_word_mask (packed rows carry no word offsets)"
-        )
-    if data_args.pack_sequences and data_args.static_masking:
-        raise cli.UsageError("--pack_sequences masks per batch; it cannot be combined with --static_masking")
-    if data_args.streaming and (data_args.nsp or data_args.static_masking):
-        raise cli.UsageError("--streaming supports MLM with per-batch masking only (not --nsp or --static_masking)")
-    if model_args.tokenizer_train_samples <= 0:
-        raise cli.UsageError(
-            f"--tokenizer_train_samples must be a positive integer, got {model_args.tokenizer_train_samples}"
-        )
-    tokenizer = load_tokenizer(model_args, raw, data_args.text_column, resume, training_args, data_args.streaming)
+    return model_args, data_args, budget_args, training_args
 
+
+def make_time_budget(budget_args: BudgetArguments, training_args, resume: str | None) -> TimeBudget | None:
+    """--time_budget as a TimeBudget callback (None without one); Trainer then loops for max_steps (unbounded unless
+    given) and the budget ends the run."""
+    if budget_args.time_budget is None:
+        return None
+    interval = budget_args.eval_every_minutes
+    budget = TimeBudget(budget_args.time_budget * 60, eval_interval=interval and interval * 60, resume_from=resume)
+    if training_args.max_steps <= 0:
+        training_args.max_steps = UNBOUNDED_MAX_STEPS
+    return budget
+
+
+def tokenize_splits(raw, tokenizer, data_args: DataArguments, training_args) -> dict:
+    """Every split as training examples: sentence pairs (--nsp), one sequence per text (--pack_sequences) or
+    fixed blocks of --max_seq_length tokens that run across texts."""
     with training_args.main_process_first(desc="tokenizing"):
         if data_args.nsp:
-            splits = {
+            return {
                 k: D.nsp_examples(v, tokenizer, data_args.max_seq_length, training_args.seed, data_args.text_column)
                 for k, v in raw.items()
             }
-        elif data_args.pack_sequences:
-            splits = {
+        if data_args.pack_sequences:
+            return {
                 k: D.tokenize_documents(
                     v,
                     tokenizer,
@@ -539,35 +555,36 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 for k, v in raw.items()
             }
-        else:
-            splits = {
-                k: D.tokenize_and_group(
-                    v,
-                    tokenizer,
-                    data_args.max_seq_length,
-                    data_args.text_column,
-                    data_args.preprocessing_num_workers,
-                    desc=k,
-                    with_offsets=data_args.whole_word_mask,
-                )
-                for k, v in raw.items()
-            }
+        return {
+            k: D.tokenize_and_group(
+                v,
+                tokenizer,
+                data_args.max_seq_length,
+                data_args.text_column,
+                data_args.preprocessing_num_workers,
+                desc=k,
+                with_offsets=data_args.whole_word_mask,
+            )
+            for k, v in raw.items()
+        }
+
+
+def training_and_evaluation_sets(splits: dict, tokenizer, data_args: DataArguments, training_args, dataset_source):
+    """-> (training examples, held-out examples or None): cut to --max_train_samples / --max_eval_samples, the
+    held-out masks drawn once (seeded) so that every evaluation of a run scores the same positions, the training
+    masks too with --static_masking."""
     train = splits["train"]
+    no_block = (
+        f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} tokens; "
+        "add text or lower --max_seq_length"
+    )
     if data_args.streaming:
         if next(iter(train.take(1)), None) is None:
-            raise cli.UsageError(
-                f"{dataset_source}: the training text gives no block of --max_seq_length "
-                f"{data_args.max_seq_length} tokens; "
-                "add text or lower --max_seq_length"
-            )
+            raise cli.UsageError(no_block)
         if data_args.max_train_samples is not None:
             train = train.take(data_args.max_train_samples)
     elif len(train) == 0:
-        raise cli.UsageError(
-            f"{dataset_source}: the training text gives no block of --max_seq_length {data_args.max_seq_length} "
-            "tokens; "
-            "add text or lower --max_seq_length"
-        )
+        raise cli.UsageError(no_block)
     if data_args.max_train_samples is not None and not data_args.streaming:
         train = train.select(range(min(len(train), data_args.max_train_samples)))
     evaluation = splits.get("validation")
@@ -575,20 +592,20 @@ def main(argv: list[str] | None = None) -> dict:
         evaluation = None
     if evaluation is not None and data_args.max_eval_samples is not None:
         evaluation = evaluation.select(range(min(len(evaluation), data_args.max_eval_samples)))
-    # Evaluation masks are drawn once (seeded) so every evaluation of a run scores the same positions.
     if evaluation is not None:
         evaluation = D.mask_once(
             evaluation, tokenizer, training_args.seed + 1, data_args.eval_mlm_probability, data_args.whole_word_mask
         )
     if data_args.static_masking:
         train = D.mask_once(train, tokenizer, training_args.seed, data_args.mlm_probability, data_args.whole_word_mask)
+    return train, evaluation
 
-    if budget_args.eval_every_minutes is not None and evaluation is None:
-        raise cli.UsageError(
-            "--eval_every_minutes needs validation data (--validation_file, or a split of the training data)"
-        )
+
+def prepare_model(model_args: ModelArguments, tokenizer, data_args: DataArguments, train) -> tuple:
+    """-> (the model to pretrain, [hidden, attention] dropout it trains with): built or loaded (build_model),
+    --pretraining_dropout applied, under the speed layer (--kernels), with --sparse_prediction."""
     model = build_model(model_args, tokenizer, data_args.nsp)
-    trains_with = set_pretraining_dropout(model, dropout_rate)
+    trains_with = set_pretraining_dropout(model, pretraining_dropout_rate(model_args.pretraining_dropout))
     logger.info(
         "pretraining with dropout %g (hidden) / %g (attention); the saved config keeps %g / %g for fine-tuning",
         *trains_with,
@@ -606,6 +623,12 @@ def main(argv: list[str] | None = None) -> dict:
         "streamed" if data_args.streaming else len(train),
         data_args.max_seq_length,
     )
+    return model, trains_with
+
+
+def build_trainer(model, tokenizer, train, evaluation, data_args: DataArguments, training_args, resume, budget):
+    """Trainer with the masking collator (per batch, seeded), the masking-resume and time-budget callbacks, and the
+    masked-token accuracy when there is held-out data."""
     cli.default_logging_steps(training_args)
     # The collator needs special_tokens_mask / offset_mapping, which Trainer would drop as columns
     # the model's forward does not take; every column of these datasets is meant for the collator or model.
@@ -637,26 +660,42 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if budget is not None:
         remove_step_progress_bar(trainer)  # its total is max_steps; the budget's bar counts seconds
+    return trainer
+
+
+def train_and_save(trainer, model, model_args: ModelArguments, resume) -> dict:
+    """Train, then save the plain model (full logits: sparse prediction off) into --output_dir; -> the training
+    metrics. The model keeps sparse prediction as it trained for the evaluation and facts that follow."""
     train_result = trainer.train(resume_from_checkpoint=resume)
     model.config.sparse_prediction = False  # the saved model gives full logits, as --sparse_prediction's help says
     metrics = cli.save_trained(trainer, train_result)
-    model.config.sparse_prediction = model_args.sparse_prediction  # the evaluation and facts below: as it trained
-    eval_metrics = {}
-    if evaluation is not None:
-        eval_metrics = trainer.evaluate()
-        eval_metrics["perplexity"] = (
-            math.exp(eval_metrics["eval_loss"]) if eval_metrics["eval_loss"] < 700 else float("inf")
-        )
-        if (
-            not data_args.streaming
-        ):  # the baseline: a model that ignores context (token frequencies of the training data)
-            eval_metrics["unigram_perplexity"] = math.exp(D.unigram_loss(train, evaluation, len(tokenizer)))
-        trainer.log_metrics("eval", eval_metrics)
-        trainer.save_metrics("eval", eval_metrics)
+    model.config.sparse_prediction = model_args.sparse_prediction
+    return metrics
+
+
+def evaluate_held_out(trainer, train, evaluation, tokenizer, data_args: DataArguments) -> dict:
+    """The held-out loss, masked accuracy and perplexity, beside the unigram baseline (a model that ignores context:
+    token frequencies of the training data); {} without held-out data."""
+    if evaluation is None:
+        return {}
+    eval_metrics = trainer.evaluate()
+    eval_metrics["perplexity"] = (
+        math.exp(eval_metrics["eval_loss"]) if eval_metrics["eval_loss"] < 700 else float("inf")
+    )
+    if not data_args.streaming:
+        eval_metrics["unigram_perplexity"] = math.exp(D.unigram_loss(train, evaluation, len(tokenizer)))
+    trainer.log_metrics("eval", eval_metrics)
+    trainer.save_metrics("eval", eval_metrics)
+    return eval_metrics
+
+
+def report(trainer, model, args: tuple, dataset_source, trains_with, budget, metrics, eval_metrics) -> None:
+    """The end of the run: the kernels it ran, and (main process) the loss curve, training_facts.json and the model
+    card in --output_dir."""
+    model_args, data_args, budget_args, training_args = args
     kernels = cli.kernel_facts(model, model_args.kernels)
     if trainer.is_world_process_zero():
         cli.log_kernel_facts(kernels, logger)
-
     out = cli.finish_run(
         trainer,
         title=f"{type(model).__name__} pretraining",
@@ -687,11 +726,43 @@ def main(argv: list[str] | None = None) -> dict:
             "train_loss": metrics.get("train_loss"),
             **({"training_seconds": round(budget.elapsed(), 1)} if budget else {}),
         },
-        dataset_split="validation" if evaluation is not None else None,
+        dataset_split="validation" if trainer.eval_dataset is not None else None,
         kernels=kernels,
     )
     if out:
         logger.info("saved the model, tokenizer, loss curve and model card to %s", out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the pretraining; returns the final evaluation metrics (empty without validation data)."""
+    model_args, data_args, budget_args, training_args = parse_arguments(argv)
+    resume = cli.resolve_resume_argument(training_args)
+    budget = make_time_budget(budget_args, training_args, resume)
+    set_seed(training_args.seed)
+
+    raw, dataset_source = load_raw_data(data_args, training_args.seed)
+    tokenizer = load_tokenizer(model_args, raw, data_args.text_column, resume, training_args, data_args.streaming)
+    splits = tokenize_splits(raw, tokenizer, data_args, training_args)
+    train, evaluation = training_and_evaluation_sets(splits, tokenizer, data_args, training_args, dataset_source)
+    if budget_args.eval_every_minutes is not None and evaluation is None:
+        raise cli.UsageError(
+            "--eval_every_minutes needs validation data (--validation_file, or a split of the training data)"
+        )
+
+    model, trains_with = prepare_model(model_args, tokenizer, data_args, train)
+    trainer = build_trainer(model, tokenizer, train, evaluation, data_args, training_args, resume, budget)
+    metrics = train_and_save(trainer, model, model_args, resume)
+    eval_metrics = evaluate_held_out(trainer, train, evaluation, tokenizer, data_args)
+    report(
+        trainer,
+        model,
+        (model_args, data_args, budget_args, training_args),
+        dataset_source,
+        trains_with,
+        budget,
+        metrics,
+        eval_metrics,
+    )
     return eval_metrics
 
 

@@ -2,6 +2,7 @@
 # The README's test command: set up .venv (if needed) and run the whole suite offline.
 #   bash scripts/test.sh            # everything
 #   bash scripts/test.sh -k parity  # extra arguments go to pytest
+#   bash scripts/test.sh -m "not slow"  # a quick loop: without the end-to-end runs (marked slow)
 #   TEST_PROCESSES=0 bash scripts/test.sh   # one process (pytest-xdist's -n; default 2, a test file per process)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

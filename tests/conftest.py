@@ -2,6 +2,8 @@
 intermediate 37) so that a transposed or mis-split dimension cannot pass by coincidence; inputs are
 batch 13, sequence 7."""
 
+import functools
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -18,7 +20,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO_ROOT / "scripts"
 VOCAB, BATCH, SEQ = 99, 13, 7
+
+
+@functools.cache
+def load_script(name: str):
+    """scripts/<name>.py as a module (loaded once per test process), so tests call its `main(argv)` and helpers in
+    this process: an interpreter start costs seconds. Tests that change a script's attributes do it through
+    `monkeypatch`, which puts them back for the next test."""
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the script's string annotations through it
+    spec.loader.exec_module(module)
+    return module
 
 
 class ListDataset(torch.utils.data.Dataset):

@@ -17,7 +17,7 @@ from hf_bert_impl import BertImplForMaskedLM, kernelized
 from hf_bert_impl import kernels_bert_impl as K
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 
-from .test_scripts import load_script
+from .conftest import load_script
 
 
 LAYERS = SIZE_PRESETS["tiny"]["num_hidden_layers"]

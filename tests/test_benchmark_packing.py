@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_scripts import REPO_ROOT, SCRIPTS, load_script
+from .conftest import REPO_ROOT, SCRIPTS, load_script
 
 
 ENV = {

@@ -133,6 +133,7 @@ def _mlm_rows(vocab, n=16, seq=7):
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", list(VERSIONS))
 def test_remote_code_under_transformers_version(version, debug_config, batch, minilm_dir, tmp_path):
     env = _side_install(version)

@@ -6,7 +6,6 @@ Tolerance: max |Δ| <= 1e-5 in float32 on every compared tensor (hidden states, 
 sentence embeddings); round trips must be bit-identical (torch.equal). Each check prints its
 measured max |Δ| (`pytest -s` shows them)."""
 
-import importlib.util
 import json
 import logging
 
@@ -19,7 +18,7 @@ import hf_bert_impl
 from hf_bert_impl import sinusoidal_position_encoding
 from hf_bert_impl.convert import ARCHITECTURES, HF_TO_BERT_IMPL, JOINED_QKV, from_hf_bert, to_hf_bert
 
-from .conftest import BATCH, REPO_ROOT, SEQ, VOCAB, run_without_package
+from .conftest import BATCH, REPO_ROOT, SEQ, VOCAB, load_script, run_without_package
 
 
 TOL = 1e-5
@@ -474,15 +473,6 @@ def test_switching_head_still_requires_the_whole_encoder(tmp_path):
 # The command-line script (in-process main(); one real subprocess below, on MiniLM)
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location(
-        "convert_checkpoint", REPO_ROOT / "scripts" / "convert_checkpoint.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "case, match",
     [
@@ -522,7 +512,7 @@ def test_script_errors_are_one_line_and_exit_2(case, match, tmp_path, capsys):
     elif case == "out_not_empty":
         out.mkdir()
         (out / "keep.txt").write_text("x")
-    script = load_script()
+    script = load_script("convert_checkpoint")
     capsys.readouterr()  # drop the setup's progress bars
     assert script.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -535,7 +525,7 @@ def test_script_from_hf_then_to_hf_on_debug_head(tmp_path):
     the original tensors bit for bit, loadable by plain transformers."""
     src = tmp_path / "src"
     reference = save_hf(src, arch="BertForSequenceClassification")
-    script = load_script()
+    script = load_script("convert_checkpoint")
     assert script.main(["--from-hf", str(src), "--out", str(tmp_path / "impl")]) == 0
     impl = tmp_path / "impl"
     config = json.loads((impl / "config.json").read_text())
@@ -620,6 +610,7 @@ print(json.dumps({{"tokenizer": type(tokenizer).__name__, "model_module": type(m
 """
 
 
+@pytest.mark.slow
 def test_minilm_script_conversion_loads_without_package_and_pipeline_matches(minilm, minilm_dir, tmp_path):
     """The real CLI (a subprocess) converts MiniLM; a Python that cannot import hf_bert_impl loads
     it with trust_remote_code and `pipeline("feature-extraction")` gives transformers' vectors.
@@ -661,7 +652,7 @@ def test_minilm_script_conversion_loads_without_package_and_pipeline_matches(min
     print(f"\nMiniLM converted dir, package-free pipeline('feature-extraction') vs transformers max|Δ| {diff:.3e}")
     assert diff <= TOL, diff
 
-    assert load_script().main(["--to-hf", str(out), "--out", str(tmp_path / "back")]) == 0
+    assert load_script("convert_checkpoint").main(["--to-hf", str(out), "--out", str(tmp_path / "back")]) == 0
     back = transformers.AutoModel.from_pretrained(tmp_path / "back")  # plain transformers, no remote code
     assert type(back) is transformers.BertModel
     original = load_file(minilm_dir / "model.safetensors")
@@ -691,7 +682,7 @@ def test_sentence_transformers_model_converts_both_ways_with_its_modules(minilm_
 
     original, expected = minilm_st
     assert original.max_seq_length == 256 and len(original) == 3  # Transformer, Pooling, Normalize
-    script = load_script()
+    script = load_script("convert_checkpoint")
     ours_dir, back_dir = tmp_path / "impl", tmp_path / "back"
     assert script.main(["--from-hf", str(minilm_dir), "--out", str(ours_dir)]) == 0
     assert script.main(["--to-hf", str(ours_dir), "--out", str(back_dir)]) == 0

@@ -8,20 +8,16 @@ agree everywhere. Tolerances: 1e-5 for torch.export (the same kernels), 1e-4 for
 """
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from hf_bert_impl import BertImplForMaskedLM, BertImplForSequenceClassification, BertImplModel, kernelize, kernelized
 
+from .conftest import load_script
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
-_spec = importlib.util.spec_from_file_location("export_onnx", REPO_ROOT / "scripts" / "export_onnx.py")
-export_onnx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(export_onnx)
+export_onnx = load_script("export_onnx")
 
 MAX_POS = 64
 
@@ -171,9 +167,7 @@ def test_export_openvino_command_serves_the_model_in_openvino(debug_config, tmp_
 # ----------------------------------------------------------------------------------------------
 # Pictures (scripts/plot_attention.py): what the model computes, exported as PNGs.
 
-_plot_spec = importlib.util.spec_from_file_location("plot_attention", REPO_ROOT / "scripts" / "plot_attention.py")
-plot_attention = importlib.util.module_from_spec(_plot_spec)
-_plot_spec.loader.exec_module(plot_attention)
+plot_attention = load_script("plot_attention")
 
 
 def test_plot_attention_command_draws_real_probabilities(debug_config, tmp_path, capsys, minilm_dir):

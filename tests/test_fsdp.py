@@ -98,6 +98,7 @@ def fsdp(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FP32_SCENARIOS)
 def test_fsdp2_training_equals_one_process(fsdp, name):
     """Each model kernelized before sharding, as the scripts do. default: kernelize(model) (kernels "auto": it unpads
@@ -129,6 +130,7 @@ def test_fsdp2_training_equals_one_process(fsdp, name):
     assert r["logits_shape"] == ([r["local_labels"], r["vocab"]] if sparse else dense)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["default", "unpadded_sparse"])
 def test_full_state_dict_to_save_pretrained_and_back(fsdp, name):
     """get_model_state_dict(full_state_dict=True, cpu_offload=True) on rank 0 -> save_pretrained -> from_pretrained:
@@ -145,6 +147,7 @@ def test_full_state_dict_to_save_pretrained_and_back(fsdp, name):
     assert r["reloaded_plain_vs_sharded_logits"] <= 1e-5 * r["sharded_logits_max"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["default", "unpadded_sparse"])
 def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights(fsdp, name):
     """dcp.save of model + optimizer state after step 2 of 3; a fresh sharded model and AdamW dcp.load it and run
@@ -157,6 +160,7 @@ def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights(fsdp, name):
     assert r["resumed_losses"] == pytest.approx(r["fsdp_losses"][2:], abs=1e-7)
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_policy(fsdp):
     """MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) against the float32 one-process run.
     Sharded weights and AdamW state stay float32, the layers compute in bf16. Bounds (bf16 keeps 8 significant bits):
@@ -182,6 +186,7 @@ def test_bf16_mixed_precision_policy(fsdp):
     assert r["single_moved"] > 1e-3
 
 
+@pytest.mark.slow
 def test_embeddings_apart_from_the_tied_decoder_is_refused(fsdp):
     """accelerate's FSDP2 wraps the model's _no_split_modules when no transformer_layer_cls_to_wrap is given; that
     includes BertImplEmbeddings, whose word embeddings the MLM decoder shares: FSDP2 then fails (hence the docs'

@@ -9,7 +9,6 @@
 """
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -28,7 +27,7 @@ import torch
 
 from hf_bert_impl.hub import CODE_FILES, NOT_RECORDED, build_model_card, save_model_card, validate_model_card
 
-from .conftest import REPO_ROOT, run_without_package
+from .conftest import REPO_ROOT, load_script, run_without_package
 
 
 FACTS = {
@@ -256,17 +255,8 @@ UPLOAD = [
 ]
 
 
-def _load_script(name: str):
-    """scripts/<name>.py as a module, to call its main(argv) in this process."""
-    spec = importlib.util.spec_from_file_location(f"_hub_test_script_{name}", REPO_ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
 def _push_script():
-    return _load_script("push_to_hub")
+    return load_script("push_to_hub")
 
 
 def _files(folder: Path) -> dict:
@@ -852,6 +842,7 @@ def _assert_same(hub, local, where="output"):
         assert hub == local, f"{where}: {hub!r} != {local!r}"
 
 
+@pytest.mark.slow
 def test_load_back_through_a_hub_server(hub_setup, trainer_upload, hub_server, tmp_path):
     """By repo id through olah, with an empty HF_HOME, in a process that cannot import hf_bert_impl:
     every pushed head (and Trainer's push) loads with trust_remote_code=True and gives outputs
@@ -933,7 +924,7 @@ def test_pretraining_run_to_upload_folder(tmp_path):
     from huggingface_hub import ModelCard
 
     run = tmp_path / "run"
-    _load_script("pretrain_mlm").main(
+    load_script("pretrain_mlm").main(
         [
             "--output_dir",
             str(run),
@@ -970,7 +961,7 @@ def test_converted_checkpoint_to_upload_folder(minilm_dir, tmp_path):
     from huggingface_hub import ModelCard
 
     converted, upload = tmp_path / "converted", tmp_path / "upload"
-    assert _load_script("convert_checkpoint").main(["--from-hf", str(minilm_dir), "--out", str(converted)]) == 0
+    assert load_script("convert_checkpoint").main(["--from-hf", str(minilm_dir), "--out", str(converted)]) == 0
     assert (
         _push_script().main(
             ["--model-dir", str(converted), "--repo-id", "owner/minilm-impl", "--dry-run", str(upload)]

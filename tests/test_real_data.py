@@ -13,8 +13,8 @@ import datasets
 import pytest
 import torch
 
-from tests import test_scripts
-from tests.test_scripts import read_jsonl, script_args, write_jsonl
+from . import test_scripts
+from .test_scripts import read_jsonl, script_args, write_jsonl
 
 
 files, finetune, pretrain = test_scripts.files, test_scripts.finetune, test_scripts.pretrain  # the shared fixtures

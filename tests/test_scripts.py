@@ -6,7 +6,6 @@ training with a one-line message and a non-zero exit.
 The scripts run in this process through their `main(argv)` / `cli.run_cli(main)` (an interpreter start costs
 seconds on this machine); one test per script runs the real command line in a subprocess."""
 
-import importlib.util
 import json
 import math
 import os
@@ -25,9 +24,9 @@ from hf_bert_impl.data import default_corpus_dataset, statement_topic_task, trai
 from hf_bert_impl.hub import CODE_FILES
 from hf_bert_impl.saving import STAGING_PREFIX
 
+from .conftest import REPO_ROOT, SCRIPTS, load_script
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO_ROOT / "scripts"
+
 FAST = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1", "--seed", "5"]
 
 
@@ -39,14 +38,6 @@ def script_args(*extra: str, **options) -> list[str]:
     for name, value in options.items():
         argv += [f"--{name}"] if value is True else [f"--{name}", str(value)]
     return [*argv, *extra, *FAST]
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the script's string annotations through it
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -418,6 +409,7 @@ def test_finetune_early_stopping_stops_when_the_eval_loss_stalls(finetune, files
     assert state["global_step"] == 2, f"expected a stop after 2 epochs, ran {state['global_step']} steps"
 
 
+@pytest.mark.slow
 def test_finetune_embedded_task_and_fresh_process_reload(finetune, files, tmp_path):
     """No data option: the embedded statement-topic task. Then demo_reload.py, in a fresh process
     that cannot import hf_bert_impl, loads the result through trust_remote_code, predicts the test
@@ -541,6 +533,7 @@ def test_bad_train_file_stops_before_training_with_one_line(script_name, files, 
     assert not trained
 
 
+@pytest.mark.slow
 def test_bad_train_file_on_the_real_command_line(files, tmp_path):
     """The same through a real interpreter: exit status 2, stderr is exactly one line, no traceback."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

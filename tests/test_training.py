@@ -4,7 +4,6 @@ BertForMaskedLM, many processes, resume.
 Sizes: the debug flavour (hidden 32, 2 layers, 4 heads, intermediate 37), sequences of 7 (in-process
 runs) or 16 tokens (script runs), a handful of optimizer steps. Tolerances are stated per test."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,20 +18,10 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, default_da
 from hf_bert_impl import BertImplForMaskedLM
 from hf_bert_impl.data import IGNORE_INDEX, default_corpus_dataset, train_wordpiece_tokenizer
 
-from .conftest import ListDataset
+from .conftest import REPO_ROOT, ListDataset, load_script
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 99, 7
-
-
-def load_script(name: str):
-    """scripts/<name>.py as a module, so tests call its main(argv) in this process (no interpreter start-up)."""
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", REPO_ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the script's string annotations through it
-    spec.loader.exec_module(module)
-    return module
 
 
 def mlm_rows(n: int, seed: int = 0, learnable: bool = False):
@@ -313,6 +302,7 @@ def _single_process_reference(corpus_files, out, tokenizer_dir):
     return weights(out)
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one_process_over_the_same_global_batches(corpus_files, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on CPU (2 gloo processes, per-device batch 2)
     against one process with batch 4, 3 AdamW steps, with the script's defaults: per-batch masking
@@ -361,6 +351,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_machines_on_loopback_equal_one_process(corpus_files, tmp_path):
     """Two "machines": `accelerate launch --num_machines 2 --machine_rank {0,1} --main_process_ip
     127.0.0.1 --main_process_port P`, one gloo process each, per-device batch 2, the script's defaults
