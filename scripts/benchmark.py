@@ -92,7 +92,7 @@ from transformers import (
 )
 
 import hf_bert_impl
-from hf_bert_impl import BertImplForMaskedLM, kernels_bert_impl
+from hf_bert_impl import BertImplForMaskedLM, cli
 from hf_bert_impl.cli import machine_record, write_result_json
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
@@ -300,15 +300,12 @@ def apply_kernels(args, ours, sparse_prediction: bool):
 
 
 def kernel_record(args, model=None, device_type: str = "cpu", training: bool = False, dtype=None) -> dict:
-    """The kernels ours runs under `--kernels`: "auto" -> the table's entry for this device, mode and dtype
-    (kernels_bert_impl.table_kernels), "reference" -> none, forced names -> their sorted list. With `model`:
+    """The kernels ours runs under `--kernels` in this device, mode and dtype (`cli.kernels_in_use`: the table's entry
+    under "auto", none under "reference", the forced names sorted). With `model`:
     `kernelized`, how many of its modules run each kernel function (hf_bert_impl.kernelized; {} for the plain
     model)."""
-    setting = kernel_names(args.kernels)
-    if setting == "auto":
-        kernels = list(kernels_bert_impl.table_kernels(device_type, training, dtype or torch.float32))
-    else:
-        kernels = [] if setting == "reference" else sorted(setting)
+    mode = "training" if training else "inference"
+    kernels = cli.kernels_in_use(args.kernels, device_type, dtype or torch.float32, modes=(mode,))[mode]
     record = {"setting": args.kernels, "kernels": kernels}
     if model is not None:
         record["kernelized"] = dict(sorted(Counter(hf_bert_impl.kernelized(model).values()).items()))

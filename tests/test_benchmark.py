@@ -25,6 +25,25 @@ LAYERS = SIZE_PRESETS["tiny"]["num_hidden_layers"]
 UNPADDED = {"attention_function": LAYERS, "unpadded_encoder_forward": 1}
 
 
+# the tiny size on the CPU, one timed pair; the matmul peak on 256² matrices (see `_tiny_benchmark`)
+TINY = (
+    "--size",
+    "tiny",
+    "--device",
+    "cpu",
+    "--seq_len",
+    "16",
+    "--batch_size",
+    "2",
+    "--pairs",
+    "1",
+    "--warmup",
+    "0",
+    "--peak_n",
+    "256",
+)
+
+
 @pytest.fixture(scope="module")
 def bench():
     return load_script("benchmark")
@@ -37,20 +56,7 @@ def _tiny_benchmark(bench, tmp_path, *argv) -> dict:
     out = tmp_path / "bench.json"
     bench.main(
         [
-            "--size",
-            "tiny",
-            "--device",
-            "cpu",
-            "--seq_len",
-            "16",
-            "--batch_size",
-            "2",
-            "--pairs",
-            "1",
-            "--warmup",
-            "0",
-            "--peak_n",
-            "256",
+            *TINY,
             *argv,
             "--json",
             str(out),
@@ -194,20 +200,7 @@ def test_benchmark_stops_when_a_runner_disagrees(bench, monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         bench.main(
             [
-                "--size",
-                "tiny",
-                "--device",
-                "cpu",
-                "--seq_len",
-                "16",
-                "--batch_size",
-                "2",
-                "--pairs",
-                "1",
-                "--warmup",
-                "0",
-                "--peak_n",
-                "256",
+                *TINY,
                 "--against",
                 "compile",
                 "--memory",
