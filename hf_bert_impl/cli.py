@@ -1,7 +1,7 @@
 """The training scripts' command-line plumbing: argument preamble, one-line errors, the speed layer (`--kernels`), and
-the end of a run (save, training_facts.json, loss-curve PNG, model card) that `scripts/pretrain_mlm.py` and
-`scripts/finetune.py` share; the machine record and JSON file of the benchmark scripts. The data they train on is in
-`hf_bert_impl.data`.
+the end of a run (save, training_facts.json, loss-curve PNG, model card) that `hf_bert_impl.pretraining` and
+`hf_bert_impl.finetuning` share; the machine record and JSON file of the benchmark scripts. The data they train on is
+in `hf_bert_impl.data`.
 """
 
 from __future__ import annotations
@@ -53,6 +53,25 @@ def parse_script_arguments(dataclass_types, argv, logger, defaults=None):
     return parsed
 
 
+def parse_config_overrides(text: str | None) -> dict:
+    """'a=1,b=0.1,c=learned,d=none' -> {'a': 1, 'b': 0.1, 'c': 'learned', 'd': None}."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        if "=" not in item:
+            raise UsageError(f"--config_overrides: {item!r} is not of the form name=value")
+        key, value = (s.strip() for s in item.split("=", 1))
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                pass
+        else:
+            value = {"none": None, "true": True, "false": False}.get(value.lower(), value)
+        out[key] = value
+    return out
+
+
 def run_cli(main) -> int:
     """Run a script's `main()`; a UsageError (bad file, bad option) becomes one line on stderr and exit
     status 2, as argparse does, instead of a traceback; an integer `main()` returns is the exit status."""
@@ -99,10 +118,17 @@ def resolve_resume_argument(training_args) -> str | None:
     return resume
 
 
-def plot_loss_curve(log_history: list[dict], path, title: str = "loss") -> Path:
+def plot_loss_curve(log_history: list[dict], path, title: str = "loss") -> Path | None:
     """Training loss per logged step (and evaluation loss where logged) from
-    `trainer.state.log_history`, drawn with matplotlib's Agg backend into `path` (PNG)."""
-    import matplotlib
+    `trainer.state.log_history`, drawn with matplotlib's Agg backend into `path` (PNG); None, with a
+    log line, where matplotlib (the `plot` extra) is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger(__name__).warning(
+            "no %s: matplotlib is not installed (pip install 'hf-bert-impl[plot]')", path
+        )
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -279,8 +305,9 @@ def finish_run(trainer, *, title: str, task: str, hyperparameters: dict, **facts
     if not trainer.is_world_process_zero():
         return None
     out = Path(trainer.args.output_dir)
-    plot_loss_curve(trainer.state.log_history, out / LOSS_CURVE_FILE, title=title)
-    write_training_facts(out, task=task, hyperparameters={**run_hyperparameters(trainer), **hyperparameters}, **facts)
+    curve = plot_loss_curve(trainer.state.log_history, out / LOSS_CURVE_FILE, title=title)
+    hyperparameters = {**run_hyperparameters(trainer), **hyperparameters}
+    write_training_facts(out, task=task, hyperparameters=hyperparameters, loss_curve=curve and curve.name, **facts)
     save_model_card(out)
     return out
 

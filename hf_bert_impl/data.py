@@ -1,5 +1,5 @@
-"""Data for `scripts/pretrain_mlm.py` and `scripts/finetune.py`: corpus, tokenizer training, masking
-collators and datasets.
+"""Data for the package's pretraining and fine-tuning (`hf_bert_impl.pretraining`, `hf_bert_impl.finetuning`):
+corpus, tokenizer training, masking collators and datasets.
 
 The embedded corpus is the Python Language Reference text that ships with every CPython as
 `pydoc_data.topics` (about 460 KB of English prose, 79 topics such as "with", "class", "import"):
@@ -13,9 +13,8 @@ hold disjoint sentences):
   statement ('The "with" statement', 'Assignment statements', ...), 0 for every other section.
 - "word_order": 1 = the sentence as written, 0 = the same words in a random order (seeded).
 
-The benchmarks' other corpora: the standard library's docstrings (`stdlib_docstrings`) and the
-fortune cookie files of the fortunes package (`fortunes`; English that is not technical prose), whose
-file names label a third task, "fortune_topic" (`fortune_topic_task`: which of four topic files).
+The benchmarks read the embedded corpus or a text file through `text_corpus` (their own corpora, the fortunes and
+the standard library's docstrings, live in their scripts).
 
 `UsageError`, the error these helpers raise for a bad file, column or option, lives in
 `hf_bert_impl.cli` with the rest of the scripts' command-line plumbing.
@@ -113,7 +112,8 @@ def _corpus_sentences(min_words: int, max_words: int):
                     yield text, doc
 
 
-def _split_80_10_10(rows, features, rng) -> datasets.DatasetDict:
+def split_80_10_10(rows, features, rng) -> datasets.DatasetDict:
+    """`rows` shuffled with `rng` into train / validation / test (80 / 10 / 10) under `features`."""
     rng.shuffle(rows)
     n = len(rows)
     cut1, cut2 = int(0.8 * n), int(0.9 * n)
@@ -138,7 +138,7 @@ def statement_topic_task(seed: int = 0, min_words: int = 6, max_words: int = 40)
     features = datasets.Features(
         {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["other", "statement"])}
     )
-    return _split_80_10_10(rows, features, random.Random(seed))
+    return split_80_10_10(rows, features, random.Random(seed))
 
 
 def word_order_task(seed: int = 0, min_words: int = 6, max_words: int = 30) -> datasets.DatasetDict:
@@ -166,7 +166,7 @@ def word_order_task(seed: int = 0, min_words: int = 6, max_words: int = 30) -> d
     features = datasets.Features(
         {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["shuffled", "original"])}
     )
-    return _split_80_10_10(rows, features, rng)
+    return split_80_10_10(rows, features, rng)
 
 
 EMBEDDED_TASKS = {"statement_topic": statement_topic_task, "word_order": word_order_task}
@@ -545,143 +545,27 @@ def unigram_loss(train_blocks, eval_masked, vocab_size: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# The benchmarks' second corpus
+# Corpora for the benchmarks
 
 
-def stdlib_docstrings() -> list[str]:
-    """The docstrings of the Python standard library's public modules, classes and functions (English prose that ships
-    with every CPython), one paragraph per text, each distinct paragraph once, in a fixed order."""
-    import importlib
-    import inspect
-    import pkgutil
-    import warnings
-
-    skip = (
-        "test",
-        "idlelib",
-        "tkinter",
-        "turtle",
-        "turtledemo",
-        "this",
-        "antigravity",
-        "lib2to3",
-        "ensurepip",
-        "venv",
-        "pydoc_data",
-        "__phello__",
-        "msilib",
-        "xxsubtype",
+def held_out_split(texts: list[str]) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, held-out) datasets with a "text" column: every tenth text held out, the rest for training."""
+    held = set(range(0, len(texts), 10))
+    train = [t for i, t in enumerate(texts) if i not in held]
+    return (
+        datasets.Dataset.from_dict({"text": train}),
+        datasets.Dataset.from_dict({"text": [texts[i] for i in sorted(held)]}),
     )
-    texts, seen = [], set()
-    for name in sorted(m.name for m in pkgutil.iter_modules() if m.module_finder.path.startswith(sys.base_prefix)):
-        if name.startswith("_") or name in skip:
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                module = importlib.import_module(name)
-        except Exception:  # noqa: BLE001  a module this platform cannot import (msvcrt, ...): not part of the corpus
-            continue
-        objects = [module] + [
-            obj
-            for _, obj in sorted(vars(module).items())
-            if not _.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))
-        ]
-        for obj in objects:
-            doc = inspect.getdoc(obj) or ""
-            for paragraph in doc.split("\n\n"):
-                text = " ".join(paragraph.split())
-                if len(text.split()) >= 6 and text[-1] in ".:;!?)" and ">>>" not in text and text not in seen:
-                    seen.add(text)
-                    texts.append(text)
-    return texts
 
 
-# The benchmarks' English corpus that is not technical prose: the fortune cookie files of the `fortunes` package
-# (Debian, Ubuntu: `apt-get install fortunes`; others ship them with fortune-mod), quotations, jokes, definitions
-# and verse in 40-odd topic files, about 2.5 MB of text.
-FORTUNES_DIR = "/usr/share/games/fortunes"
-FORTUNE_TOPICS = ("computers", "politics", "science", "songs-poems")  # fortune_topic_task's four classes
-_NOT_PROSE = ("ascii-art",)
-
-
-def fortunes(directory: str | os.PathLike = FORTUNES_DIR) -> dict[str, list[str]]:
-    """{topic: [fortune, ...]}: every fortune of every topic file in a fortune data folder (files of fortunes
-    separated by lines holding one "%"; strfile's .dat indexes and the .u8 links skipped), whitespace collapsed,
-    each distinct fortune of three or more words once, topics in name order."""
-    folder = Path(directory)
-    if not folder.is_dir():
-        raise UsageError(
-            f"no fortune files at {str(folder)!r}: install them (Debian, Ubuntu: apt-get install fortunes) "
-            "or pass the folder that holds them"
-        )
-    topics, seen = {}, set()
-    for path in sorted(folder.iterdir()):
-        if path.suffix in (".dat", ".u8") or path.is_symlink() or not path.is_file() or path.name in _NOT_PROSE:
-            continue
-        texts = []
-        for chunk in re.split(r"^%$", path.read_text(encoding="utf-8", errors="replace"), flags=re.MULTILINE):
-            text = " ".join(chunk.split())
-            if len(text.split()) >= 3 and text not in seen:
-                seen.add(text)
-                texts.append(text)
-        if texts:
-            topics[path.name] = texts
-    if not topics:
-        raise UsageError(f"{str(folder)!r} holds no fortune files (texts separated by '%' lines)")
-    return topics
-
-
-def fortune_topic_task(
-    seed: int = 0, directory: str | os.PathLike = FORTUNES_DIR, topics=FORTUNE_TOPICS
-) -> datasets.DatasetDict:
-    """Which topic file a fortune comes from, among `topics` (columns "sentence" and "label"; chance 1 / len(topics)):
-    the label is the file's name, never set by hand. Each topic keeps as many fortunes as the smallest of them has
-    (drawn with `seed`), so the classes are balanced; splits 80 / 10 / 10, shuffled with `seed`."""
-    found = fortunes(directory)
-    missing = [t for t in topics if t not in found]
-    if missing:
-        raise UsageError(f"fortune topics {missing} not in {str(directory)!r} (it has {sorted(found)})")
-    rng = random.Random(seed)
-    n = min(len(found[t]) for t in topics)
-    rows = [{"sentence": text, "label": i} for i, t in enumerate(topics) for text in rng.sample(found[t], n)]
-    features = datasets.Features(
-        {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=list(topics))}
-    )
-    return _split_80_10_10(rows, features, rng)
-
-
-def benchmark_corpus(name: str) -> tuple[datasets.Dataset, datasets.Dataset, str]:
-    """The benchmarks' corpora: "embedded" (`default_corpus_dataset`), "stdlib_docstrings" (`stdlib_docstrings`),
-    "fortunes" (`fortunes`, every topic) or a text file (one text per line) -> (train, held-out) datasets with a
-    "text" column and a description. Held-out: every tenth text (embedded: whole topics)."""
+def text_corpus(name: str) -> tuple[datasets.Dataset, datasets.Dataset, str]:
+    """ "embedded" (`default_corpus_dataset`: held out, whole topics) or a text file (one text per line, through
+    `load_data_files`; every tenth held out) -> (train, held-out, a description)."""
     if name == "embedded":
         raw = default_corpus_dataset()
         return raw["train"], raw["validation"], DEFAULT_CORPUS_NAME
-    if name == "stdlib_docstrings":
-        texts, description = (
-            stdlib_docstrings(),
-            f"docstrings of the Python {sys.version_info.major}.{sys.version_info.minor} standard library",
-        )
-    elif name == "fortunes":
-        topics = fortunes()
-        texts = [t for group in topics.values() for t in group]
-        description = (
-            f"the fortune cookie files of the fortunes package ({len(topics)} topic files: English quotations, "
-            f"jokes, definitions and verse; {sum(len(t) for t in texts) / 1e6:.1f} MB)"
-        )
-    else:
-        texts = [t for t in load_data_files(train_file=name)["train"]["text"] if isinstance(t, str) and t.strip()]
-        description = name
-    held = set(range(0, len(texts), 10))
-    split = {
-        k: [t for i, t in enumerate(texts) if (i in held) == (k == "validation")] for k in ("train", "validation")
-    }
-    return (
-        datasets.Dataset.from_dict({"text": split["train"]}),
-        datasets.Dataset.from_dict({"text": split["validation"]}),
-        description,
-    )
+    texts = [t for t in load_data_files(train_file=name)["train"]["text"] if isinstance(t, str) and t.strip()]
+    return *held_out_split(texts), name
 
 
 # ----------------------------------------------------------------------------------------------

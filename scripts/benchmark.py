@@ -53,7 +53,7 @@ What it does, per attention backend (`--backends`, transformers and ours both on
                transformers);
      `--against onnxruntime,openvino,compile` (any of them) instead times, on fixed and mixed, ours (torch)
      beside transformers in torch and the runtimes named: onnxruntime (transformers' BertModel and ours
-     exported to ONNX, scripts/export_onnx.py; all graph optimisations), openvino (transformers' BertModel
+     exported to ONNX by hf_bert_impl.export; all graph optimisations), openvino (transformers' BertModel
      through `openvino.convert_model`, compiled for "CPU" with the f32 precision hint and with OpenVINO's
      defaults), compile (`torch.compile` of transformers' model and of ours), each on the torch thread count;
      every runner's output is first checked against float32 transformers on the real tokens (<= 1e-4, or 3x
@@ -96,6 +96,7 @@ from hf_bert_impl import BertImplForMaskedLM, cli
 from hf_bert_impl.cli import machine_record, write_result_json
 from hf_bert_impl.configuration_bert_impl import SIZE_PRESETS
 from hf_bert_impl.convert import convert_hf_state_dict, from_hf_bert
+from hf_bert_impl.export import INPUT_NAMES, dynamic_shapes, export_onnx, sample_inputs
 from hf_bert_impl.kernels_bert_impl import KERNELS, kernel_names
 
 
@@ -761,17 +762,6 @@ class _LastHiddenState(torch.nn.Module):
         return out.last_hidden_state
 
 
-def _export_onnx_module():
-    """scripts/export_onnx.py (our own export, with its dynamic shapes), imported by path."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_onnx.py")
-    spec = importlib.util.spec_from_file_location("export_onnx", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def onnx_sessions(hf, ours, threads: int, workdir: str) -> dict:
     """transformers' BertModel and ours, each exported to ONNX (torch's dynamo exporter, dynamic batch
     and sequence) and loaded in onnxruntime with every graph optimisation, `threads` intra-op threads that do not
@@ -780,25 +770,24 @@ def onnx_sessions(hf, ours, threads: int, workdir: str) -> dict:
     onnxruntime itself 25.5 -> 26.7 ms there when turned off."""
     import onnxruntime as ort
 
-    exporter = _export_onnx_module()
     hf_path, ours_path = os.path.join(workdir, "transformers_bert.onnx"), os.path.join(workdir, "bert_impl.onnx")
     hf_model = _LastHiddenState(hf.bert).eval()
-    example = exporter.sample_inputs(ours.bert, batch=3, seq=7)
+    example = sample_inputs(ours.bert, batch=3, seq=7)
     with torch.no_grad():
         torch.onnx.export(
             hf_model,
             (),
             hf_path,
             kwargs=example,
-            dynamic_shapes=exporter.dynamic_shapes(ours.bert),
-            input_names=list(exporter.INPUT_NAMES),
+            dynamic_shapes=dynamic_shapes(ours.bert),
+            input_names=list(INPUT_NAMES),
             output_names=["last_hidden_state"],
             opset_version=18,
             dynamo=True,
             verbose=False,
         )
     plain = hf_bert_impl.kernelize(copy.deepcopy(ours.bert), "reference").eval()  # the plain model: what ONNX gets
-    exporter.export_onnx(plain, ours_path)
+    export_onnx(plain, ours_path)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads

@@ -25,10 +25,15 @@ settings, the kernels ours ran, the CPU) and OUT.png (held-out loss against step
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import logging
+import pkgutil
 import shutil
+import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -112,6 +117,59 @@ def run(variant: str, seed: int, args, train_blocks, eval_masked, vocab_size: in
     return curve, seconds
 
 
+def stdlib_docstrings() -> list[str]:
+    """The docstrings of the Python standard library's public modules, classes and functions (English prose that ships
+    with every CPython), one paragraph per text, each distinct paragraph once, in a fixed order."""
+    skip = (
+        "test",
+        "idlelib",
+        "tkinter",
+        "turtle",
+        "turtledemo",
+        "this",
+        "antigravity",
+        "lib2to3",
+        "ensurepip",
+        "venv",
+        "pydoc_data",
+        "__phello__",
+        "msilib",
+        "xxsubtype",
+    )
+    texts, seen = [], set()
+    for name in sorted(m.name for m in pkgutil.iter_modules() if m.module_finder.path.startswith(sys.base_prefix)):
+        if name.startswith("_") or name in skip:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001  a module this platform cannot import (msvcrt, ...): not part of the corpus
+            continue
+        objects = [module] + [
+            obj
+            for _, obj in sorted(vars(module).items())
+            if not _.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))
+        ]
+        for obj in objects:
+            doc = inspect.getdoc(obj) or ""
+            for paragraph in doc.split("\n\n"):
+                text = " ".join(paragraph.split())
+                if len(text.split()) >= 6 and text[-1] in ".:;!?)" and ">>>" not in text and text not in seen:
+                    seen.add(text)
+                    texts.append(text)
+    return texts
+
+
+def corpus(name: str):
+    """(train, held-out, description): the standard library's docstrings (every tenth held out), or
+    `hf_bert_impl.data.text_corpus`'s "embedded" or a text file."""
+    if name == "stdlib_docstrings":
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        return *D.held_out_split(stdlib_docstrings()), f"docstrings of the Python {version} standard library"
+    return D.text_corpus(name)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,7 +207,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    train_text, eval_text, description = D.benchmark_corpus(args.corpus)
+    train_text, eval_text, description = corpus(args.corpus)
     tokenizer = D.train_wordpiece_tokenizer(train_text["text"], vocab_size=args.vocab_size)
     train_blocks = D.tokenize_and_group(train_text, tokenizer, args.max_seq_length, desc="train")
     eval_blocks = D.tokenize_and_group(eval_text, tokenizer, args.max_seq_length, desc="held-out")

@@ -12,7 +12,14 @@ import copy
 import pytest
 import torch
 
-from hf_bert_impl import BertImplForMaskedLM, BertImplForSequenceClassification, BertImplModel, kernelize, kernelized
+from hf_bert_impl import (
+    BertImplForMaskedLM,
+    BertImplForSequenceClassification,
+    BertImplModel,
+    export,
+    kernelize,
+    kernelized,
+)
 
 from .conftest import load_script
 
@@ -56,7 +63,7 @@ def test_torch_export_dynamic_batch_and_sequence(cls, position, debug_config):
     seen = []
     model.base_model.embeddings.register_forward_pre_hook(lambda *_: seen.append(torch.compiler.is_compiling()))
     ep = torch.export.export(
-        model, (), kwargs=export_onnx.sample_inputs(model, 13, 7), dynamic_shapes=export_onnx.dynamic_shapes(model)
+        model, (), kwargs=export.sample_inputs(model, 13, 7), dynamic_shapes=export.dynamic_shapes(model)
     )
     # The data-dependent input checks (and the sinusoidal table's length check) see compiling=True...
     assert seen and all(seen), seen
@@ -67,10 +74,10 @@ def test_torch_export_dynamic_batch_and_sequence(cls, position, debug_config):
     assert len(ep.range_constraints) >= 2
     exported = ep.module()
     for b, s in [(1, 1), (2, 5), (6, 40), (3, MAX_POS)]:
-        assert_matches(model, lambda x: exported(**x), export_onnx.sample_inputs(model, b, s, seed=s), atol=1e-5)
+        assert_matches(model, lambda x: exported(**x), export.sample_inputs(model, b, s, seed=s), atol=1e-5)
     # Past the position table the exported program refuses (eager sinusoidal would extend the table).
     with pytest.raises(Exception, match=f"<= {MAX_POS}"):
-        exported(**export_onnx.sample_inputs(model, 2, MAX_POS + 1))
+        exported(**export.sample_inputs(model, 2, MAX_POS + 1))
 
 
 def test_input_checks_must_be_skipped_under_export(debug_config, monkeypatch):
@@ -79,7 +86,7 @@ def test_input_checks_must_be_skipped_under_export(debug_config, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     with pytest.raises(Exception, match="data-dependent"):
         torch.export.export(
-            model, (), kwargs=export_onnx.sample_inputs(model, 3, 7), dynamic_shapes=export_onnx.dynamic_shapes(model)
+            model, (), kwargs=export.sample_inputs(model, 3, 7), dynamic_shapes=export.dynamic_shapes(model)
         )
 
 
@@ -93,14 +100,14 @@ def test_onnx_export_matches_onnxruntime_at_two_lengths(cls, position, debug_con
 
     model = make(cls, debug_config, position)
     path = str(tmp_path / "model.onnx")
-    names = export_onnx.export_onnx(model, path)
+    names = export.export_onnx(model, path)
     onnx.checker.check_model(path)
     graph = onnx.load(path, load_external_data=False).graph
-    assert [i.name for i in graph.input] == list(export_onnx.INPUT_NAMES) and [o.name for o in graph.output] == names
+    assert [i.name for i in graph.input] == list(export.INPUT_NAMES) and [o.name for o in graph.output] == names
     # Both input dims are symbolic in the file, not the traced 3 x 7.
     for i in graph.input:
         assert all(d.dim_param and not d.dim_value for d in i.type.tensor_type.shape.dim), i
-    rows = export_onnx.check_export(model, path, lengths=[5, 23], batch=4)
+    rows = export.check_export(model, path, lengths=[5, 23], batch=4)
     assert {r["sequence"] for r in rows} == {5, 23} and {r["output"] for r in rows} == set(names)
     for r in rows:
         assert r["max_abs_diff"] <= 1e-4 and r["real_token_diff"] <= 1e-4, r
@@ -151,7 +158,7 @@ def test_export_openvino_command_serves_the_model_in_openvino(debug_config, tmp_
     compiled = openvino.Core().compile_model(
         str(tmp_path / "ckpt" / "openvino_model.xml"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
     )
-    inputs = export_onnx.sample_inputs(model, 5, 11, seed=7)
+    inputs = export.sample_inputs(model, 5, 11, seed=7)
     logits = torch.from_numpy(compiled({k: v.numpy() for k, v in inputs.items()})[compiled.outputs[0]])
     with torch.no_grad():
         want = model(**inputs).logits

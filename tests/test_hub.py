@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_bert_impl import pretraining
 from hf_bert_impl.hub import CODE_FILES, NOT_RECORDED, build_model_card, save_model_card, validate_model_card
 
 from .conftest import REPO_ROOT, load_script, run_without_package
@@ -924,7 +925,7 @@ def test_pretraining_run_to_upload_folder(tmp_path):
     from huggingface_hub import ModelCard
 
     run = tmp_path / "run"
-    load_script("pretrain_mlm").main(
+    pretraining.main(
         [
             "--output_dir",
             str(run),

@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining, kernelize, kernelized
+from hf_bert_impl import (
+    BertImplConfig,
+    BertImplForMaskedLM,
+    BertImplForPreTraining,
+    finetuning,
+    kernelize,
+    kernelized,
+    pretraining,
+)
 from hf_bert_impl import data as D
 from hf_bert_impl.data import default_corpus_dataset, statement_topic_task, train_wordpiece_tokenizer, word_order_task
 from hf_bert_impl.hub import CODE_FILES
@@ -42,12 +50,12 @@ def script_args(*extra: str, **options) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pretrain():
-    return load_script("pretrain_mlm")
+    return pretraining
 
 
 @pytest.fixture(scope="module")
 def finetune():
-    return load_script("finetune")
+    return finetuning
 
 
 @pytest.fixture(scope="module")
@@ -515,7 +523,7 @@ def _bad_train_files(tmp_path, script):
 
 @pytest.mark.parametrize("script_name", ["pretrain_mlm", "finetune"])
 def test_bad_train_file_stops_before_training_with_one_line(script_name, files, tmp_path, monkeypatch, capsys):
-    script = load_script(script_name)
+    script = {"pretrain_mlm": pretraining, "finetune": finetuning}[script_name]
     trained = []
     monkeypatch.setattr(script.Trainer, "train", lambda *a, **k: trained.append(1))
     for path, problem in _bad_train_files(tmp_path, script_name):
@@ -795,3 +803,28 @@ def test_pretrain_mlm_trains_with_its_recipe_unless_told_otherwise(pretrain, tmp
     }
     batch, rate = "per_device_train_batch_size", "learning_rate"
     assert shown == {batch: "16", rate: "0.001", warmup: "0.1", "num_train_epochs": "3.0"}  # the last: Trainer's own
+
+
+@pytest.mark.slow
+def test_pretraining_runs_without_the_plot_and_stats_extras(files, tmp_path):
+    """matplotlib and scipy are optional (the `plot` and `stats` extras): with both made unimportable, the package
+    and its training modules import, and a pretraining run finishes, saves, logs that it drew no loss curve and
+    names none in its facts or card."""
+    out = tmp_path / "mlm"
+    argv = script_args(output_dir=out, train_file=files / "train.txt", model_size="debug", max_steps=2)
+    code = f"""
+import sys
+sys.modules["matplotlib"] = sys.modules["scipy"] = None  # an import of either raises ImportError
+import hf_bert_impl
+from hf_bert_impl import cli, convert, data, export, finetuning, hub, pretraining
+pretraining.main({[*argv, "--tokenizer_vocab_size", "300", "--max_seq_length", "32"]!r})
+loaded = [m for m, module in sys.modules.items() if module and m.split(".")[0] in ("matplotlib", "scipy")]
+print("imported:", loaded)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "imported: []" in result.stdout
+    assert "no " in result.stderr and "matplotlib is not installed" in result.stderr
+    assert (out / "model.safetensors").is_file() and not (out / "loss_curve.png").exists()
+    assert json.loads((out / "training_facts.json").read_text())["loss_curve"] is None
+    assert "loss_curve.png" not in (out / "README.md").read_text()

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
 
-from hf_bert_impl import BertImplConfig, BertImplForMaskedLM
+from hf_bert_impl import BertImplConfig, BertImplForMaskedLM, pretraining
 from hf_bert_impl import data as D
 from hf_bert_impl.budget import STATE_FILE, TimeBudget
 
-from .conftest import ListDataset, load_script
+from .conftest import ListDataset
 from .test_scripts import recomputed_accuracies, script_args
 
 
@@ -258,7 +258,7 @@ def test_pretrain_mlm_time_budget_saves_a_loadable_model_and_its_card(tmp_path):
     from the saved model's predictions on every held-out block)."""
     from transformers import AutoModelForMaskedLM
 
-    pretrain = load_script("pretrain_mlm")
+    pretrain = pretraining
     texts = D.default_corpus_dataset()["train"]["text"]
     (tmp_path / "train.txt").write_text("\n".join(texts[:60]) + "\n", encoding="utf-8")
     (tmp_path / "valid.txt").write_text("\n".join(texts[60:75]) + "\n", encoding="utf-8")
@@ -299,7 +299,7 @@ def test_pretrain_mlm_time_budget_saves_a_loadable_model_and_its_card(tmp_path):
 def test_pretrain_mlm_refuses_a_bad_time_budget(tmp_path, capsys):
     from hf_bert_impl import cli
 
-    pretrain = load_script("pretrain_mlm")
+    pretrain = pretraining
     for flags, message in (
         (["--time_budget", "0"], "--time_budget must be a positive number of minutes, got 0.0"),
         (["--eval_every_minutes", "1"], "--eval_every_minutes needs --time_budget"),

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
-from hf_bert_impl import BertImplForMaskedLM
+from hf_bert_impl import BertImplForMaskedLM, pretraining
 from hf_bert_impl.data import IGNORE_INDEX, default_corpus_dataset, train_wordpiece_tokenizer
 
-from .conftest import REPO_ROOT, ListDataset, load_script
+from .conftest import REPO_ROOT, ListDataset
 
 
 VOCAB, SEQ = 99, 7
@@ -217,7 +217,7 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_weights(corpus_files, tm
     the masks (Trainer restores the global RNG only after fetching the first batch past the resume
     point, so the collator masks batch k from its own seed and `MaskingResumeCallback` restores k).
     Tolerance: max |diff| <= 1e-7 (the same float ops in the same order)."""
-    script = load_script("pretrain_mlm")
+    script = pretraining
     common = [
         "--max_steps",
         "6",
@@ -294,7 +294,7 @@ def _single_process_reference(corpus_files, out, tokenizer_dir):
     give the same ids twice: tokens of equal rank are numbered in hash order, hence one training, shared)."""
     args = pretrain_args(corpus_files, out, *MULTI_COMMON, "--per_device_train_batch_size", "4")
     args[args.index("--tokenizer_name") + 1] = str(tokenizer_dir)
-    load_script("pretrain_mlm").main(args)
+    pretraining.main(args)
     logs = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
     # Not vacuous: every step had a non-zero gradient and learning rate, and AdamW moves each such
     # weight by about the learning rate (3e-3) per step, far beyond the 1e-5 tolerance.
