@@ -153,6 +153,27 @@ def step(model, batch, optimizer) -> float:
     return seconds
 
 
+def check_same_loss(model, padded: dict, packed: dict) -> tuple[list[float], float]:
+    """The loss of one batch padded and packed, dropout off: both layouts must compute the same (exit status 1 if
+    they differ by more than LOSS_TOLERANCE, or either is NaN)."""
+    model.eval()
+    with torch.no_grad():
+        losses = [model(**b).loss.item() for b in (padded, packed)]
+    diff = abs(losses[0] - losses[1])
+    if not diff <= LOSS_TOLERANCE:  # also catches NaN
+        print(
+            f"benchmark_packing.py: error: padded and packed losses differ: {losses[0]!r} vs {losses[1]!r} "
+            f"(|diff| {diff:.2e} > {LOSS_TOLERANCE})",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
+    print(
+        f"loss check (first batch, dropout off): padded {losses[0]:.6f}, packed {losses[1]:.6f}, "
+        f"|diff| {diff:.2e} <= {LOSS_TOLERANCE}"
+    )
+    return losses, diff
+
+
 def main(argv=None):
     (args,) = HfArgumentParser(PackingArguments).parse_args_into_dataclasses(args=argv)
     check_args(args)
@@ -187,22 +208,7 @@ def main(argv=None):
         hf_bert_impl.kernelize(model, args.kernels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if args.optimizer_step else None
 
-    model.eval()  # dropout off: both layouts must compute the same loss
-    with torch.no_grad():
-        losses = [model(**b).loss.item() for b in (padded[0], packed[0])]
-    diff = abs(losses[0] - losses[1])
-    if not diff <= LOSS_TOLERANCE:  # also catches NaN
-        print(
-            f"benchmark_packing.py: error: padded and packed losses differ: {losses[0]!r} vs {losses[1]!r} "
-            f"(|diff| {diff:.2e} > {LOSS_TOLERANCE})",
-            file=sys.stderr,
-        )
-        raise SystemExit(1)
-    print(
-        f"loss check (first batch, dropout off): padded {losses[0]:.6f}, packed {losses[1]:.6f}, "
-        f"|diff| {diff:.2e} <= {LOSS_TOLERANCE}"
-    )
-
+    losses, diff = check_same_loss(model, padded[0], packed[0])
     model.train()
     for i in range(args.warmup):
         step(model, padded[i % len(padded)], optimizer)
