@@ -828,3 +828,28 @@ print("imported:", loaded)
     assert (out / "model.safetensors").is_file() and not (out / "loss_curve.png").exists()
     assert json.loads((out / "training_facts.json").read_text())["loss_curve"] is None
     assert "loss_curve.png" not in (out / "README.md").read_text()
+
+
+def test_finetune_config_overrides_set_the_loaded_models_config_and_refuse_unknown_fields(finetune, files, tmp_path):
+    """--config_overrides sets config fields on the loaded model (the race fine-tunes a model pretrained without
+    dropout at 0.1 this way); an unknown field or a bad value stops the run before
+    any training, naming it."""
+    from hf_bert_impl.cli import UsageError
+
+    rows = [{"sentence": f"sentence number {i}", "label": ["no", "yes"][i % 2]} for i in range(16)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    common = {"model_name_or_path": files / "mlm", "train_file": train, "max_steps": 1, "save_strategy": "no"}
+    out = tmp_path / "cls"
+    overrides = "hidden_dropout_prob=0.25,attention_probs_dropout_prob=0.3"
+    finetune.main(script_args(output_dir=out, config_overrides=overrides, **common))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_dropout_prob"], config["attention_probs_dropout_prob"]) == (0.25, 0.3)
+    assert config["id2label"] == {"0": "no", "1": "yes"}
+    for bad, message in (
+        ("dropout=0.1", r"no config field named \['dropout'\]"),
+        ("hidden_dropout_prob=1.5", "hidden_dropout_prob"),
+        ("hidden_dropout_prob", "is not of the form name=value"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            finetune.main(script_args(output_dir=tmp_path / "bad", config_overrides=bad, **common))
+        assert not (tmp_path / "bad" / "model.safetensors").exists()
