@@ -595,4 +595,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    datasets.disable_progress_bars()  # the runs' and folds' tokenizing: each run prints one line when it ends
     sys.exit(cli.run_cli(main))
