@@ -267,7 +267,7 @@ def finetune(args, seed: int, model_dir: Path, tokenizer_dir: Path, task_name: s
     from sklearn.metrics import accuracy_score, matthews_corrcoef
     from sklearn.model_selection import StratifiedKFold
 
-    names, folds, dropout = task["train"].features["label"].names, args.finetune_folds, args.finetune_dropout
+    folds, dropout = args.finetune_folds, args.finetune_dropout
     scored = scored_sentences(task, folds)
     gold = np.asarray(scored["label"])
     if folds:
@@ -288,13 +288,12 @@ def finetune(args, seed: int, model_dir: Path, tokenizer_dir: Path, task_name: s
     for k, (train, test) in enumerate(splits):
         out = model_dir / f"finetune-{task_name}-{k}"
         out.mkdir()
-        for split, rows in (("train", train), ("test", scored.select(test))):
-            lines = [json.dumps({"sentence": s, "label": names[i]}) for s, i in zip(rows["sentence"], rows["label"])]
-            (out / f"{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        train.to_json(out / "train.jsonl")  # the labels as class ids; the predictions come back as them
+        scored.select(test).to_json(out / "test.jsonl")
         files = ("--train_file", str(out / "train.jsonl"), "--test_file", str(out / "test.jsonl"))
         finetuning.main([*flags, *files, "--output_dir", str(out / "model")])
         with open(out / "model" / "predictions.jsonl", encoding="utf-8") as f:
-            predicted[test] = [names.index(json.loads(line)["prediction"]) for line in f]
+            predicted[test] = [int(json.loads(line)["prediction"]) for line in f]
         shutil.rmtree(out)
     return {
         "accuracy": float(accuracy_score(gold, predicted)),
